@@ -1,0 +1,51 @@
+"""The `reshard` command: plan | write | merge | pull | serve | demo.
+
+Each subcommand lives beside the code it drives and registers itself through `add_commands(sub)`;
+this file only dispatches and turns a `ReshardError` into one line on stderr and a non-zero exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from reshard.errors import ReshardError
+
+# modules that define `add_commands(subparsers)`; each command sets `func(args) -> int`
+COMMAND_MODULES = ("reshard.commands", "reshard.merge", "reshard.client", "service.cli", "reshard.demo")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="reshard", description="Per-rank tensor-parallel shards of safetensors checkpoints.")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name in COMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name != name:
+                raise
+            continue
+        module.add_commands(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except ReshardError as e:
+        if args.debug:
+            raise
+        print(f"reshard: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("reshard: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,80 @@
+"""`reshard plan` and `reshard write`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from reshard.errors import PlanError
+from reshard.plan import Plan, make_plan, plan_to_json
+from reshard.progress import human
+from reshard.source import open_source
+
+
+def parse_ranks(text: str) -> list[int]:
+    try:
+        ranks = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise PlanError(f"--ranks {text!r}: expected comma-separated integers like 0,2") from None
+    return sorted(set(ranks))
+
+
+def _plan(args: argparse.Namespace) -> tuple[Any, Plan]:
+    ckpt, manifest = open_source(args.checkpoint, rules=args.rules)
+    ranks = parse_ranks(args.ranks) if getattr(args, "ranks", None) else None
+    plan = make_plan(ckpt, manifest, args.tp, ranks=ranks, strict=args.strict)
+    for w in plan.warnings:
+        print(f"reshard: warning: {w}", file=sys.stderr)
+    return ckpt, plan
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    ckpt, plan = _plan(args)
+    if args.json:
+        json.dump(plan_to_json(plan, tensors=True), sys.stdout, indent=2)
+        print()
+        return 0
+    print(f"checkpoint: {ckpt.root} ({len(ckpt.tensors)} tensors, {human(ckpt.total_bytes())})")
+    print(f"manifest:   {plan.manifest.source}")
+    print(f"tp={plan.tp}  plan {plan.digest[:16]}")
+    print(f"{'rank':>5} {'tensors':>8} {'bytes out':>12} {'replicated':>12} {'bytes read':>12}")
+    for rp in plan.ranks:
+        s = rp.stats()
+        print(f"{rp.rank:>5} {s['tensors']:>8} {human(s['bytes']):>12} {human(s['replicated_bytes']):>12} "
+              f"{human(s['bytes_read']):>12}")
+    return 0
+
+
+def cmd_write(args: argparse.Namespace) -> int:
+    from reshard.writer import write_shards
+
+    ckpt, plan = _plan(args)
+    record = write_shards(ckpt, plan, args.out, progress=None if args.progress is None else args.progress)
+    total = sum(f["size"] for f in record["files"].values())
+    print(f"wrote {len(plan.ranks)} rank files ({human(total)} in {Path(args.out)}), manifest: {plan.manifest.source}")
+    return 0
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("checkpoint", help="checkpoint directory, .safetensors file, or directory of rank shards")
+    p.add_argument("--tp", type=int, required=True, help="tensor-parallel degree")
+    p.add_argument("--rules", help="rule manifest (YAML/JSON); default: reshard-rules.yaml beside it, else config.json")
+    p.add_argument("--strict", action="store_true", help="rules that match no tensor are errors")
+
+
+def add_commands(sub: Any) -> None:
+    p = sub.add_parser("plan", help="dry run: what every rank file will contain, from headers alone")
+    _common(p)
+    p.add_argument("--json", action="store_true", help="print the full plan as JSON")
+    p.set_defaults(func=cmd_plan)
+    p = sub.add_parser("write", help="write per-rank safetensors files (atomic) and reshard.json")
+    _common(p)
+    p.add_argument("-o", "--out", required=True, help="output directory")
+    p.add_argument("--ranks", help="only these ranks, e.g. 0,2")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--progress", dest="progress", action="store_true", default=None, help="force the progress bar")
+    g.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    p.set_defaults(func=cmd_write)

@@ -1,0 +1,61 @@
+"""One small exception hierarchy. Every error names the file, the tensor, the numbers and the fix.
+
+The service maps these classes to HTTP status codes in one place (`service/errors.py`) through
+`http_status`; the CLI prints `str(error)` as one line and exits non-zero.
+"""
+
+from __future__ import annotations
+
+
+class ReshardError(Exception):
+    """Base of every error reshard raises on bad input."""
+
+    http_status = 400
+
+
+class HeaderError(ReshardError):
+    """A safetensors header is malformed or inconsistent with its file."""
+
+    http_status = 422
+
+
+class CheckpointError(ReshardError):
+    """A checkpoint directory is incomplete or inconsistent (index.json, files, config.json)."""
+
+    http_status = 422
+
+
+class ManifestError(ReshardError):
+    """A rule manifest is malformed or does not fit the checkpoint."""
+
+    http_status = 422
+
+
+class RegistryError(ReshardError):
+    """A kind registered twice, or an unknown kind asked for."""
+
+    http_status = 422
+
+
+class PlanError(ReshardError):
+    """A tensor cannot be split as asked (divisibility, heads, padding), or rank/tp out of range."""
+
+    http_status = 422
+
+
+class SourceChangedError(ReshardError):
+    """A source file changed while its bytes were being read."""
+
+    http_status = 409
+
+
+class IntegrityError(ReshardError):
+    """Downloaded or written bytes do not match their expected length or digest."""
+
+    http_status = 502
+
+
+class NotFoundError(ReshardError):
+    """A named checkpoint, manifest, job or file does not exist."""
+
+    http_status = 404

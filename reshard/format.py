@@ -1,0 +1,273 @@
+"""Safetensors headers: read and validate every header before any tensor byte; multi-file checkpoints.
+
+A safetensors file is `u64 little-endian N | N bytes of JSON header | data region`. The header maps
+tensor names to `{"dtype", "shape", "data_offsets": [begin, end]}` (offsets relative to the data
+region) plus an optional `__metadata__` string->string map. `read_header` checks everything a reader
+could trip on; `Checkpoint.open` does it for a whole HF checkpoint directory.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from reshard.errors import CheckpointError, HeaderError
+
+MAX_HEADER_BYTES = 100 * 1000 * 1000
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+CONFIG_NAME = "config.json"
+
+# safetensors dtype name -> item size in bytes
+DTYPE_SIZES: dict[str, int] = {
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
+    "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
+    "I32": 4, "U32": 4, "F32": 4,
+    "I64": 8, "U64": 8, "F64": 8, "C64": 8,
+}
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Where one tensor lives: `start` is its absolute byte offset in `file`."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    file: Path
+    start: int
+    nbytes: int
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPE_SIZES[self.dtype]
+
+
+@dataclass(frozen=True)
+class FileInfo:
+    """One validated safetensors file and the stat fields that make up its identity."""
+
+    path: Path
+    size: int
+    mtime_ns: int
+    header_len: int
+    metadata: dict[str, str] = field(default_factory=dict)
+
+    def stat_key(self) -> tuple[int, int]:
+        return (self.size, self.mtime_ns)
+
+
+def _fail(path: Path | str, msg: str) -> HeaderError:
+    return HeaderError(f"{path}: {msg}")
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"duplicate name {key!r}")
+        out[key] = value
+    return out
+
+
+def parse_header(raw: bytes, *, path: Path | str, file_size: int) -> tuple[dict[str, Any], dict[str, str]]:
+    """Validate a complete header blob (8-byte length + JSON); return (tensors, metadata).
+
+    `file_size` is the size of the whole file, so the data region can be checked to end exactly there.
+    """
+    if len(raw) < 8:
+        raise _fail(path, f"file is {len(raw)} bytes, too short for the 8-byte header length")
+    (n,) = struct.unpack("<Q", raw[:8])
+    if n == 0:
+        raise _fail(path, "header length is 0; not a safetensors file")
+    if n > MAX_HEADER_BYTES:
+        raise _fail(path, f"header length {n} exceeds the {MAX_HEADER_BYTES}-byte limit; not a safetensors file?")
+    if 8 + n > file_size:
+        raise _fail(path, f"header length {n} runs past the end of the {file_size}-byte file (truncated?)")
+    if len(raw) < 8 + n:
+        raise _fail(path, f"header truncated: {len(raw) - 8} of {n} bytes")
+    blob = raw[8 : 8 + n]
+    try:
+        text = blob.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise _fail(path, f"header is not valid UTF-8 (byte {e.start})") from None
+    try:
+        obj = json.loads(text, object_pairs_hook=_no_duplicates)
+    except ValueError as e:
+        raise _fail(path, f"header is not valid JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise _fail(path, f"header is a JSON {type(obj).__name__}, not an object")
+    metadata = obj.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
+    ):
+        raise _fail(path, "__metadata__ must map strings to strings")
+    data_len = file_size - 8 - n
+    spans: list[tuple[int, int, str]] = []
+    for name, entry in obj.items():
+        _check_entry(path, name, entry)
+        begin, end = entry["data_offsets"]
+        spans.append((begin, end, name))
+    spans.sort()
+    pos = 0
+    prev = None
+    for begin, end, name in spans:
+        if begin < pos:
+            raise _fail(path, f"tensor {name!r}: data_offsets [{begin}, {end}] overlap {prev!r} (which ends at {pos})")
+        if begin > pos:
+            raise _fail(path, f"tensor {name!r}: hole of {begin - pos} bytes before it (data_offsets start at {begin}, expected {pos})")
+        pos, prev = end, name
+    if pos != data_len:
+        if pos > data_len:
+            raise _fail(path, f"data region is {data_len} bytes but tensors need {pos} (truncated download?)")
+        raise _fail(path, f"{data_len - pos} trailing bytes after the last tensor (data region {data_len}, tensors end at {pos})")
+    return obj, metadata
+
+
+def _check_entry(path: Path | str, name: str, entry: Any) -> None:
+    if "\x00" in name:
+        raise _fail(path, f"tensor name {name!r} contains a NUL byte")
+    if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
+        raise _fail(path, f"tensor {name!r}: entry must have exactly dtype, shape, data_offsets; got {entry!r}"[:300])
+    dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+    if dtype not in DTYPE_SIZES:
+        raise _fail(path, f"tensor {name!r}: unknown dtype {dtype!r}; known: {', '.join(DTYPE_SIZES)}")
+    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+        raise _fail(path, f"tensor {name!r}: shape {shape!r} must be a list of non-negative integers")
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(type(o) is int and o >= 0 for o in offsets)
+        or offsets[0] > offsets[1]
+    ):
+        raise _fail(path, f"tensor {name!r}: data_offsets {offsets!r} must be two non-negative integers [begin, end]")
+    numel = math.prod(shape)
+    expected = numel * DTYPE_SIZES[dtype]
+    if expected > 2**62:
+        raise _fail(path, f"tensor {name!r}: shape {shape} is absurdly large ({numel} elements)")
+    if offsets[1] - offsets[0] != expected:
+        raise _fail(
+            path,
+            f"tensor {name!r}: {offsets[1] - offsets[0]} bytes in data_offsets {offsets} but shape {shape} x {dtype} needs {expected}",
+        )
+
+
+def read_header(path: Path) -> tuple[FileInfo, dict[str, TensorInfo]]:
+    """Read and validate one safetensors file's header; no tensor byte is read."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            st = os.fstat(f.fileno())
+            head = f.read(8)
+            if len(head) == 8:
+                (n,) = struct.unpack("<Q", head)
+                if 0 < n <= MAX_HEADER_BYTES and 8 + n <= st.st_size:
+                    head += f.read(n)
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read: {e.strerror}") from None
+    entries, metadata = parse_header(head, path=path, file_size=st.st_size)
+    header_len = len(head)
+    tensors = {
+        name: TensorInfo(name, e["dtype"], tuple(e["shape"]), path, header_len + e["data_offsets"][0],
+                         e["data_offsets"][1] - e["data_offsets"][0])
+        for name, e in entries.items()
+    }
+    return FileInfo(path, st.st_size, st.st_mtime_ns, header_len, metadata), tensors
+
+
+@dataclass
+class Checkpoint:
+    """A validated checkpoint: its files, every tensor (in name order) and its config.json."""
+
+    root: Path
+    files: list[FileInfo]
+    tensors: dict[str, TensorInfo]
+    config: dict[str, Any] | None = None
+
+    @classmethod
+    def open(cls, path: str | os.PathLike[str]) -> Checkpoint:
+        """Open a checkpoint directory (model.safetensors, or index.json + files) or one .safetensors file."""
+        path = Path(path)
+        if path.is_file():
+            return cls._from_files(path.parent, [path], _read_config(path.parent))
+        if not path.is_dir():
+            raise CheckpointError(f"{path}: no such checkpoint (expected a directory or a .safetensors file)")
+        config = _read_config(path)
+        index = path / INDEX_NAME
+        if index.is_file():
+            weight_map = _read_index(index)
+            names = sorted(set(weight_map.values()))
+            for fname in names:
+                if Path(fname).name != fname or not (path / fname).is_file():
+                    raise CheckpointError(f"{index}: names file {fname!r}, which is missing from {path}")
+            ckpt = cls._from_files(path, [path / n for n in names], config)
+            for tname, fname in weight_map.items():
+                info = ckpt.tensors.get(tname)
+                if info is None or info.file.name != fname:
+                    raise CheckpointError(f"{index}: tensor {tname!r} is not in {fname}")
+            extra = set(ckpt.tensors) - set(weight_map)
+            if extra:
+                raise CheckpointError(f"{index}: does not list {len(extra)} tensors found in the files, e.g. {min(extra)!r}")
+            return ckpt
+        if (path / SINGLE_NAME).is_file():
+            return cls._from_files(path, [path / SINGLE_NAME], config)
+        found = sorted(path.glob("*.safetensors"))
+        if not found:
+            raise CheckpointError(f"{path}: no {SINGLE_NAME}, {INDEX_NAME} or *.safetensors files")
+        return cls._from_files(path, found, config)
+
+    @classmethod
+    def _from_files(cls, root: Path, paths: list[Path], config: dict[str, Any] | None) -> Checkpoint:
+        files: list[FileInfo] = []
+        tensors: dict[str, TensorInfo] = {}
+        for p in paths:
+            info, ts = read_header(p)
+            files.append(info)
+            for name, t in ts.items():
+                if name in tensors:
+                    raise CheckpointError(f"tensor {name!r} is in both {tensors[name].file.name} and {p.name}")
+                tensors[name] = t
+        return cls(root, files, dict(sorted(tensors.items())), config)
+
+    def identity(self) -> dict[str, Any]:
+        """What makes a plan stale: file names, sizes and mtimes."""
+        return {
+            "files": [
+                {"name": f.path.name, "size": f.size, "mtime_ns": f.mtime_ns} for f in self.files
+            ]
+        }
+
+    def total_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: not valid JSON: {e}") from None
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read: {e.strerror}") from None
+
+
+def _read_config(root: Path) -> dict[str, Any] | None:
+    path = root / CONFIG_NAME
+    if not path.is_file():
+        return None
+    obj = _read_json(path)
+    if not isinstance(obj, dict):
+        raise CheckpointError(f"{path}: must be a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+def _read_index(path: Path) -> dict[str, str]:
+    obj = _read_json(path)
+    wm = obj.get("weight_map") if isinstance(obj, dict) else None
+    if not isinstance(wm, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in wm.items()):
+        raise CheckpointError(f"{path}: must be an object with a 'weight_map' of tensor name -> file name")
+    return wm

@@ -1,0 +1,260 @@
+"""ShardLoader protocol, the built-in loaders and the kind registry.
+
+A loader answers one question for one tensor: which part of the global tensor does rank r of tp get?
+The answer is a `Selection`: for every dimension, the list of half-open index intervals taken, in
+order; the rank's tensor is their cartesian product, concatenated. Indices at or past the dimension's
+size are padding and read as zeros. From a selection, the plan derives shapes and byte ranges without
+reading data, `load` reads a `safe_open` slice handle, and a merge puts the pieces back.
+
+Kinds are looked up by name: `@register_loader("column")` binds a factory `(rule, suffix) -> ShardLoader`.
+A new kind is one decorated function in any imported module.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+import torch
+
+from reshard.errors import PlanError, RegistryError
+
+if TYPE_CHECKING:
+    from reshard.manifest import Rule
+
+Interval = tuple[int, int]
+Selection = tuple[tuple[Interval, ...], ...]
+
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32,
+    "I64": torch.int64, "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32,
+    "F64": torch.float64, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64,
+}
+
+
+def full_selection(shape: Sequence[int]) -> Selection:
+    return tuple(((0, n),) for n in shape)
+
+
+def selection_shape(sel: Selection) -> tuple[int, ...]:
+    return tuple(sum(b - a for a, b in dim) for dim in sel)
+
+
+def split_interval(size: int, rank: int, tp: int, *, pad: bool = False, what: str = "dim") -> Interval:
+    """Rank's contiguous share of `size` indices; with `pad`, size is rounded up to a multiple of tp."""
+    if size % tp:
+        if not pad:
+            good = [d for d in (1, 2, 4, 8, 16, 32, 64) if size % d == 0]
+            raise PlanError(
+                f"{what} has size {size}, not divisible by tp={tp}; set `pad: true` on the rule "
+                f"or pick tp in {{{','.join(map(str, good))}}}"
+            )
+        chunk = -(-size // tp)
+    else:
+        chunk = size // tp
+    return (rank * chunk, (rank + 1) * chunk)
+
+
+def split_heads(size: int, heads: int, rank: int, tp: int, *, what: str = "dim") -> Interval:
+    """Rank's share of `heads` equal head blocks: split when tp divides heads, else replicate heads.
+
+    With heads < tp (GQA kv heads), each head goes to tp/heads consecutive ranks.
+    """
+    if heads <= 0 or size % heads:
+        raise PlanError(f"{what} has size {size}, not a multiple of heads={heads}")
+    if heads % tp == 0:
+        return split_interval(size, rank, tp, what=what)
+    if tp % heads == 0:
+        head_dim = size // heads
+        h = rank // (tp // heads)
+        return (h * head_dim, (h + 1) * head_dim)
+    raise PlanError(
+        f"{what}: {heads} heads cannot be shared by tp={tp} (neither divides the other); "
+        f"pick tp dividing {heads} or a multiple of it"
+    )
+
+
+@runtime_checkable
+class ShardLoader(Protocol):
+    """How one tensor is split. `select` is all a new loader must define (see `SliceLoader`)."""
+
+    def select(self, shape: tuple[int, ...], rank: int, world_size: int) -> Selection: ...
+
+    def shard_shape(self, shape: tuple[int, ...], rank: int, world_size: int) -> tuple[int, ...]: ...
+
+    def load(self, handle: Any, rank: int, world_size: int) -> torch.Tensor: ...
+
+
+class SliceLoader:
+    """Base class: `shard_shape` and `load` derived from `select`."""
+
+    def select(self, shape: tuple[int, ...], rank: int, world_size: int) -> Selection:
+        raise NotImplementedError
+
+    def shard_shape(self, shape: tuple[int, ...], rank: int, world_size: int) -> tuple[int, ...]:
+        return selection_shape(self.select(tuple(shape), rank, world_size))
+
+    def load(self, handle: Any, rank: int, world_size: int) -> torch.Tensor:
+        """Read this rank's piece from a `safe_open(...).get_slice(name)` handle."""
+        shape = tuple(handle.get_shape())
+        sel = self.select(shape, rank, world_size)
+        return read_selection(lambda idx: handle[idx], sel, shape, TORCH_DTYPES[handle.get_dtype()])
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
+        return f"{type(self).__name__}({fields})"
+
+
+def read_selection(
+    fetch: Callable[[tuple[slice, ...]], torch.Tensor], sel: Selection, shape: tuple[int, ...], dtype: torch.dtype
+) -> torch.Tensor:
+    """Assemble a selection from `fetch(slices)` calls, one per block; padding reads as zeros."""
+    out = torch.zeros(selection_shape(sel), dtype=dtype)
+    starts = [list(itertools.accumulate((b - a for a, b in dim), initial=0)) for dim in sel]
+    for combo in itertools.product(*(range(len(dim)) for dim in sel)):
+        src, dst = [], []
+        for d, i in enumerate(combo):
+            a, b = sel[d][i]
+            hi = min(b, shape[d])
+            if hi <= a:
+                break
+            src.append(slice(a, hi))
+            dst.append(slice(starts[d][i], starts[d][i] + hi - a))
+        else:
+            out[tuple(dst)] = fetch(tuple(src))
+    return out
+
+
+class ReplicateLoader(SliceLoader):
+    """Every rank gets the whole tensor."""
+
+    def select(self, shape: tuple[int, ...], rank: int, world_size: int) -> Selection:
+        return full_selection(shape)
+
+
+class DimShardLoader(SliceLoader):
+    """Contiguous split along `dim`; optional zero padding to a multiple of tp; optional head blocks."""
+
+    def __init__(self, dim: int, *, pad: bool = False, heads: int | None = None) -> None:
+        self.dim, self.pad, self.heads = dim, pad, heads
+
+    def select(self, shape: tuple[int, ...], rank: int, world_size: int) -> Selection:
+        if self.dim >= len(shape):
+            raise PlanError(f"shape {list(shape)} has no dim {self.dim} to split")
+        what = f"dim {self.dim}"
+        size = shape[self.dim]
+        if self.heads:
+            iv = split_heads(size, self.heads, rank, world_size, what=what)
+        else:
+            iv = split_interval(size, rank, world_size, pad=self.pad, what=what)
+        sel = list(full_selection(shape))
+        sel[self.dim] = (iv,)
+        return tuple(sel)
+
+
+class PackedLoader(SliceLoader):
+    """A fused tensor of blocks along `dim` (q|k|v, gate|up): each block split on its own, pieces in order."""
+
+    def __init__(self, blocks: Sequence[int], *, dim: int = 0, heads: Sequence[int] | None = None) -> None:
+        self.blocks, self.dim = tuple(blocks), dim
+        self.heads = tuple(heads) if heads else None
+        if self.heads is not None and len(self.heads) != len(self.blocks):
+            raise PlanError(f"packed_column: {len(self.heads)} heads entries for {len(self.blocks)} blocks")
+
+    def select(self, shape: tuple[int, ...], rank: int, world_size: int) -> Selection:
+        size = shape[self.dim]
+        if sum(self.blocks) != size:
+            raise PlanError(
+                f"packed_column blocks {list(self.blocks)} sum to {sum(self.blocks)}, not dim {self.dim} size {size}"
+            )
+        pieces, offset = [], 0
+        for i, block in enumerate(self.blocks):
+            what = f"packed block {i} (size {block})"
+            if self.heads:
+                a, b = split_heads(block, self.heads[i], rank, world_size, what=what)
+            else:
+                a, b = split_interval(block, rank, world_size, what=what)
+            pieces.append((offset + a, offset + b))
+            offset += block
+        sel = list(full_selection(shape))
+        sel[self.dim] = tuple(pieces)
+        return tuple(sel)
+
+
+LoaderFactory = Callable[["Rule", str], ShardLoader]
+_REGISTRY: dict[str, LoaderFactory] = {}
+
+
+def register_loader(kind: str) -> Callable[[LoaderFactory], LoaderFactory]:
+    """Bind `kind` to a factory `(rule, suffix) -> ShardLoader`; registering a kind twice is an error."""
+
+    def deco(fn: LoaderFactory) -> LoaderFactory:
+        if kind in _REGISTRY:
+            raise RegistryError(f"kind {kind!r} is already registered; known kinds: {', '.join(known_kinds())}")
+        _REGISTRY[kind] = fn
+        return fn
+
+    return deco
+
+
+def known_kinds() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def check_kind(kind: str) -> None:
+    if kind not in _REGISTRY:
+        raise RegistryError(f"unknown kind {kind!r}; known kinds: {', '.join(known_kinds())}")
+
+
+def loader_for(rule: Rule, suffix: str) -> ShardLoader:
+    """The loader the rule's kind makes for a tensor whose name ends in `suffix` ('.weight', '.bias')."""
+    check_kind(rule.kind)
+    return _REGISTRY[rule.kind](rule, suffix)
+
+
+def _int_option(rule: Rule, key: str) -> int | None:
+    value = rule.options.get(key)
+    if value is not None and (type(value) is not int or value <= 0):
+        raise PlanError(f"rule {rule.pattern!r}: option {key}={value!r} must be a positive integer")
+    return value
+
+
+@register_loader("replicate")
+def _replicate(rule: Rule, suffix: str) -> ShardLoader:
+    return ReplicateLoader()
+
+
+@register_loader("column")
+def _column(rule: Rule, suffix: str) -> ShardLoader:
+    return DimShardLoader(0, pad=bool(rule.options.get("pad")), heads=_int_option(rule, "heads"))
+
+
+@register_loader("row")
+def _row(rule: Rule, suffix: str) -> ShardLoader:
+    # The bias is added once after the all-reduce, so every rank keeps all of it.
+    if suffix == ".bias":
+        return ReplicateLoader()
+    return DimShardLoader(1, pad=bool(rule.options.get("pad")))
+
+
+@register_loader("vocab_embed")
+def _vocab_embed(rule: Rule, suffix: str) -> ShardLoader:
+    return DimShardLoader(0, pad=bool(rule.options.get("pad")))
+
+
+@register_loader("packed_column")
+def _packed_column(rule: Rule, suffix: str) -> ShardLoader:
+    blocks = rule.options.get("blocks")
+    if not isinstance(blocks, list) or not blocks or not all(type(b) is int and b > 0 for b in blocks):
+        raise PlanError(f"rule {rule.pattern!r}: packed_column needs `blocks`, a list of positive block sizes")
+    heads = rule.options.get("heads")
+    if heads is not None and not (isinstance(heads, list) and all(type(h) is int and h > 0 for h in heads)):
+        raise PlanError(f"rule {rule.pattern!r}: packed_column `heads` must be a list of positive integers")
+    return PackedLoader(blocks, heads=heads)
+
+
+def selection_numel(sel: Selection) -> int:
+    return math.prod(selection_shape(sel))

@@ -1,0 +1,286 @@
+"""The pure plan: (checkpoint headers, manifest, tp) -> what every rank file contains, byte for byte.
+
+No tensor data is read. For each rank the plan lists every output tensor (name, dtype, shape, the
+global tensor and selection it comes from, the source byte runs that make it up) and the exact
+safetensors header, so the file size and every offset are known before the first byte is produced.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from reshard.errors import PlanError
+from reshard.format import DTYPE_SIZES, Checkpoint, TensorInfo
+from reshard.loaders import Selection, full_selection, loader_for, selection_shape
+from reshard.manifest import Manifest, Rule
+
+MAX_TP = 4096
+FORMAT = "reshard.rank/1"
+_REPLICATE = Rule("*", "replicate")
+
+
+@dataclass(frozen=True)
+class Segment:
+    """`count` runs of `run` bytes, `stride` apart, starting at `offset` in source file `file`.
+
+    `file` is None for zero padding (then only `run * count` matters).
+    """
+
+    file: str | None
+    offset: int
+    run: int
+    count: int = 1
+    stride: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.run * self.count
+
+
+@dataclass(frozen=True)
+class OutTensor:
+    """One tensor of a rank file: its bytes are `segments` in order, at data offsets [begin, end)."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    global_shape: tuple[int, ...]
+    kind: str
+    options: dict[str, Any]
+    selection: Selection
+    segments: tuple[Segment, ...]
+    begin: int = 0
+    end: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+    @property
+    def replicated(self) -> bool:
+        return self.selection == full_selection(self.global_shape)
+
+    def describe(self) -> dict[str, Any]:
+        """The self-description stored in the rank file's metadata."""
+        out: dict[str, Any] = {"kind": self.kind, "shape": list(self.global_shape),
+                               "select": [[list(iv) for iv in dim] for dim in self.selection]}
+        if self.options:
+            out["options"] = self.options
+        return out
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """Everything rank `rank` of `tp` receives; `header` is the exact safetensors header bytes."""
+
+    rank: int
+    tp: int
+    tensors: tuple[OutTensor, ...]
+    header: bytes
+    files: dict[str, tuple[int, int]] = field(default_factory=dict)  # source path -> (size, mtime_ns)
+
+    @property
+    def size(self) -> int:
+        return len(self.header) + (self.tensors[-1].end if self.tensors else 0)
+
+    def stats(self) -> dict[str, int]:
+        read = sum(s.nbytes for t in self.tensors for s in t.segments if s.file is not None)
+        return {
+            "tensors": len(self.tensors),
+            "bytes": self.size,
+            "replicated_bytes": sum(t.nbytes for t in self.tensors if t.replicated),
+            "bytes_read": read,
+        }
+
+
+def rank_file_name(rank: int, tp: int) -> str:
+    return f"rank-{rank:05d}-of-{tp:05d}.safetensors"
+
+
+def check_tp(tp: Any, rank: Any = None) -> None:
+    if type(tp) is not int or not 1 <= tp <= MAX_TP:
+        raise PlanError(f"tp={tp!r} must be an integer from 1 to {MAX_TP}")
+    if rank is not None and (type(rank) is not int or not 0 <= rank < tp):
+        raise PlanError(f"rank={rank!r} is out of range for tp={tp} (0..{tp - 1})")
+
+
+def segments_for(src: TensorInfo, sel: Selection) -> tuple[Segment, ...]:
+    """Source byte runs (and zero padding) that produce `sel` of a contiguous row-major tensor."""
+    shape, item = src.shape, src.itemsize
+    if not shape:
+        return (Segment(str(src.file), src.start, src.nbytes),)
+    strides = [math.prod(shape[d + 1 :]) * item for d in range(len(shape))]
+    full = [len(sel[d]) == 1 and sel[d][0] == (0, shape[d]) for d in range(len(shape))]
+    k = max((d for d in range(len(shape)) if not full[d]), default=-1)
+    if k < 0:
+        return (Segment(str(src.file), src.start, src.nbytes),)
+    out: list[Segment] = []
+
+    def emit(seg: Segment) -> None:
+        last = out[-1] if out else None
+        if last and last.count == 1 and seg.count == 1 and last.file == seg.file and (
+            seg.file is None or last.offset + last.run == seg.offset
+        ):
+            out[-1] = Segment(last.file, last.offset, last.run + seg.run)
+        else:
+            out.append(seg)
+
+    def inner(base: int) -> None:  # the intervals of dim k below one index of the dims before it
+        for a, b in sel[k]:
+            hi = min(b, shape[k])
+            if hi > a:
+                emit(Segment(str(src.file), base + a * strides[k], (hi - a) * strides[k]))
+            if b > max(a, shape[k]):
+                emit(Segment(None, 0, (b - max(a, shape[k])) * strides[k]))
+
+    def walk(d: int, base: int) -> None:
+        if d == k:
+            inner(base)
+            return
+        block = math.prod(selection_shape(sel[d + 1 :])) * item
+        if d == k - 1 and len(sel[k]) == 1 and sel[k][0][1] <= shape[k]:
+            a_k, b_k = sel[k][0]
+            for a, b in sel[d]:
+                hi = min(b, shape[d])
+                if hi > a:
+                    emit(Segment(str(src.file), base + a * strides[d] + a_k * strides[k],
+                                 (b_k - a_k) * strides[k], hi - a, strides[d]))
+                if b > max(a, shape[d]):
+                    emit(Segment(None, 0, (b - max(a, shape[d])) * block))
+            return
+        for a, b in sel[d]:
+            for i in range(a, min(b, shape[d])):
+                walk(d + 1, base + i * strides[d])
+            if b > max(a, shape[d]):
+                emit(Segment(None, 0, (b - max(a, shape[d])) * block))
+
+    walk(0, src.start)
+    return tuple(out)
+
+
+def _check_selection(name: str, shape: tuple[int, ...], sel: Selection) -> None:
+    if len(sel) != len(shape) or any(a < 0 or b < a for dim in sel for a, b in dim):
+        raise PlanError(f"{name}: loader returned an invalid selection {sel} for shape {list(shape)}")
+
+
+def tensor_selection(name: str, shape: tuple[int, ...], rule: Rule, rank: int, tp: int) -> Selection:
+    """The selection `rule` gives rank `rank` of `tp` for tensor `name`; errors name the tensor."""
+    suffix = "." + name.rsplit(".", 1)[-1] if "." in name else ""
+    try:
+        sel = loader_for(rule, suffix).select(shape, rank, tp)
+    except PlanError as e:
+        raise PlanError(f"{name}: {e} (rule {rule.pattern!r}, kind {rule.kind})") from None
+    _check_selection(name, shape, sel)
+    return sel
+
+
+def resolve_rules(ckpt_tensors: Sequence[str], manifest: Manifest, *, strict: bool = False) -> tuple[dict[str, Rule], list[str]]:
+    """Each tensor's rule (default replicate) and warnings for rules that match nothing."""
+    chosen: dict[str, Rule] = {}
+    unmatched = []
+    for name in ckpt_tensors:
+        rule = manifest.match(name)
+        if rule is None:
+            unmatched.append(name)
+            rule = _REPLICATE
+        chosen[name] = rule
+    if unmatched and manifest.strict:
+        raise PlanError(
+            f"{len(unmatched)} tensors match no rule and the manifest is strict, e.g. {unmatched[0]!r}; "
+            "add a rule (kind replicate for norms) or drop `strict`"
+        )
+    used = {id(r) for r in chosen.values()}
+    unused = [f"rule {r.pattern!r} ({r.kind}) matches no tensor" for r in manifest.rules if id(r) not in used]
+    if unused and strict:
+        raise PlanError(f"{unused[0]}; {len(unused)} such rules under --strict")
+    return chosen, unused
+
+
+def plan_rank(
+    ckpt: Checkpoint, rules: dict[str, Rule], tp: int, rank: int
+) -> RankPlan:
+    """One rank's plan; `rules` from `resolve_rules`."""
+    check_tp(tp, rank)
+    items: list[OutTensor] = []
+    for name, src in ckpt.tensors.items():
+        rule = rules[name]
+        sel = tensor_selection(name, src.shape, rule, rank, tp)
+        items.append(OutTensor(name, src.dtype, selection_shape(sel), src.shape, rule.kind, dict(rule.options),
+                               sel, segments_for(src, sel)))
+    return _layout(items, rank, tp, {str(f.path): f.stat_key() for f in ckpt.files})
+
+
+def _layout(items: list[OutTensor], rank: int, tp: int, files: dict[str, tuple[int, int]]) -> RankPlan:
+    """Order tensors (largest item size first, then name, as safetensors does) and build the header."""
+    items.sort(key=lambda t: (-DTYPE_SIZES[t.dtype], t.name))
+    placed, pos = [], 0
+    for t in items:
+        n = math.prod(t.shape) * DTYPE_SIZES[t.dtype]
+        assert n == sum(s.nbytes for s in t.segments), t.name
+        placed.append(dataclasses.replace(t, begin=pos, end=pos + n))
+        pos += n
+    meta = {
+        "format": FORMAT,
+        "tp": str(tp),
+        "rank": str(rank),
+        "tensors": json.dumps({t.name: t.describe() for t in placed}, separators=(",", ":"), sort_keys=True),
+    }
+    header: dict[str, Any] = {"__metadata__": meta}
+    for t in placed:
+        header[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [t.begin, t.end]}
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    return RankPlan(rank, tp, tuple(placed), len(blob).to_bytes(8, "little") + blob, files)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Every rank's plan plus what identifies it (source files, manifest, tp)."""
+
+    tp: int
+    ranks: tuple[RankPlan, ...]
+    manifest: Manifest
+    identity: dict[str, Any]
+    warnings: tuple[str, ...] = ()
+
+    @property
+    def digest(self) -> str:
+        blob = json.dumps(self.identity, sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def make_plan(
+    ckpt: Checkpoint, manifest: Manifest, tp: int, *, ranks: Sequence[int] | None = None, strict: bool = False
+) -> Plan:
+    """Plan `ranks` (default all) of `tp`; pure: reads no tensor data."""
+    check_tp(tp)
+    for r in ranks or ():
+        check_tp(tp, r)
+    rules, warnings = resolve_rules(list(ckpt.tensors), manifest, strict=strict)
+    rank_plans = tuple(plan_rank(ckpt, rules, tp, r) for r in (ranks if ranks is not None else range(tp)))
+    identity = {"source": ckpt.identity(), "manifest": manifest.digest(), "tp": tp, "format": FORMAT}
+    return Plan(tp, rank_plans, manifest, identity, tuple(warnings))
+
+
+def plan_to_json(plan: Plan, *, tensors: bool = True) -> dict[str, Any]:
+    """A JSON-able view of a plan (what `reshard plan --json` prints and the service returns)."""
+    ranks = []
+    for rp in plan.ranks:
+        entry: dict[str, Any] = {"rank": rp.rank, "file": rank_file_name(rp.rank, rp.tp), **rp.stats(),
+                                 "header_bytes": len(rp.header)}
+        if tensors:
+            entry["tensors"] = [
+                {"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "kind": t.kind,
+                 "global_shape": list(t.global_shape), "data_offsets": [t.begin, t.end],
+                 "select": [[list(iv) for iv in dim] for dim in t.selection]}
+                for t in rp.tensors
+            ]
+        ranks.append(entry)
+    return {"tp": plan.tp, "plan": plan.digest, "manifest_source": plan.manifest.source,
+            "warnings": list(plan.warnings), "ranks": ranks}

@@ -1,0 +1,157 @@
+"""RankPlan -> bytes: the rank file's header then its tensors, in bounded chunks, from any byte offset.
+
+Every sink (file writer, HTTP response, trainer fill) consumes this one stream, so they all see the
+same bytes. Memory is one chunk (plus a bounded scratch for gathering small strided runs). Source
+files are opened once and checked against the plan's sizes at open and after every read: a file that
+changes under the stream fails it (`SourceChangedError`) rather than yield mixed bytes.
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+from collections.abc import Iterator
+from types import TracebackType
+
+import numpy as np
+
+from reshard.errors import SourceChangedError
+from reshard.plan import RankPlan, Segment
+
+CHUNK = 8 << 20
+_DIRECT_RUN = 256 << 10  # runs at least this long are read straight into the output
+_SCRATCH = 16 << 20
+
+
+class RankStream:
+    """The bytes of one rank file. Use as a context manager, or call `close()`."""
+
+    def __init__(self, plan: RankPlan, *, chunk_size: int = CHUNK) -> None:
+        self.plan = plan
+        self.size = plan.size
+        self.chunk_size = chunk_size
+        self._fds: dict[str, int] = {}
+        self._stat: dict[str, tuple[int, int]] = {}
+        self._scratch: bytearray | None = None
+        # flat index of pieces: (start offset in the output, piece); a piece is bytes or a Segment
+        starts: list[int] = [0]
+        pieces: list[bytes | Segment] = [plan.header]
+        pos = len(plan.header)
+        for t in plan.tensors:
+            for seg in t.segments:
+                if seg.nbytes:
+                    starts.append(pos)
+                    pieces.append(seg)
+                    pos += seg.nbytes
+        assert pos == self.size
+        self._starts, self._pieces = starts, pieces
+        try:
+            for path, key in plan.files.items():
+                fd = os.open(path, os.O_RDONLY)
+                self._fds[path] = fd
+                st = os.fstat(fd)
+                if (st.st_size, st.st_mtime_ns) != tuple(key):
+                    raise SourceChangedError(f"{path}: changed since it was planned (size {st.st_size}, planned {key[0]}); re-plan")
+                self._stat[path] = tuple(key)
+        except OSError as e:
+            self.close()
+            raise SourceChangedError(f"{e.filename}: cannot open source: {e.strerror}") from None
+        except BaseException:
+            self.close()
+            raise
+
+    def __enter__(self) -> RankStream:
+        return self
+
+    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()
+
+    def close(self) -> None:
+        fds, self._fds = self._fds, {}
+        for fd in fds.values():
+            os.close(fd)
+
+    def chunks(self, start: int = 0, end: int | None = None, *, reuse: bool = False) -> Iterator[memoryview]:
+        """Yield bytes [start, end) in chunks of at most `chunk_size`.
+
+        With `reuse`, every chunk is a view of one buffer that the next chunk overwrites (for sinks
+        that consume a chunk before asking for the next); otherwise each chunk owns its memory.
+        """
+        end = self.size if end is None else end
+        if not 0 <= start <= end <= self.size:
+            raise ValueError(f"byte range [{start}, {end}) outside 0..{self.size}")
+        buf = bytearray(min(self.chunk_size, max(end - start, 1))) if reuse else None
+        pos = start
+        while pos < end:
+            n = min(self.chunk_size, end - pos)
+            out = memoryview(buf)[:n] if buf is not None else memoryview(bytearray(n))
+            self.read_into(pos, out)
+            pos += n
+            yield out
+
+    def read_into(self, pos: int, out: memoryview) -> None:
+        """Fill `out` with the stream's bytes starting at `pos`."""
+        i = bisect.bisect_right(self._starts, pos) - 1
+        done = 0
+        while done < len(out):
+            piece, base = self._pieces[i], self._starts[i]
+            plen = len(piece) if isinstance(piece, bytes) else piece.nbytes
+            lo = pos + done - base
+            n = min(plen - lo, len(out) - done)
+            dst = out[done : done + n]
+            if isinstance(piece, bytes):
+                dst[:] = piece[lo : lo + n]
+            elif piece.file is None:
+                np.frombuffer(dst, np.uint8)[:] = 0
+            else:
+                self._read_segment(piece, lo, dst)
+            done += n
+            i += 1
+        self._check_unchanged()
+
+    def _check_unchanged(self) -> None:
+        for path, fd in self._fds.items():
+            st = os.fstat(fd)
+            if (st.st_size, st.st_mtime_ns) != self._stat[path]:
+                raise SourceChangedError(f"{path}: changed while being read; re-plan and retry")
+
+    def _pread(self, fd: int, dst: memoryview, offset: int, path: str) -> None:
+        got = 0
+        while got < len(dst):
+            n = os.preadv(fd, [dst[got:]], offset + got)
+            if n <= 0:
+                raise SourceChangedError(f"{path}: ended at byte {offset + got}, before the planned data; re-plan")
+            got += n
+
+    def _read_segment(self, seg: Segment, lo: int, dst: memoryview) -> None:
+        """Bytes [lo, lo+len(dst)) of a source segment into dst."""
+        assert seg.file is not None
+        fd = self._fds[seg.file]
+        run, stride = seg.run, seg.stride
+        if seg.count == 1 or stride == run:
+            self._pread(fd, dst, seg.offset + lo, seg.file)
+            return
+        pos, end = lo, lo + len(dst)
+        while pos < end:
+            r, within = divmod(pos, run)
+            if within or end - pos < run or run >= _DIRECT_RUN:
+                n = min(run - within, end - pos)
+                self._pread(fd, dst[pos - lo : pos - lo + n], seg.offset + r * stride + within, seg.file)
+                pos += n
+                continue
+            # several whole small runs: read the span covering them once, gather with numpy
+            k = min((end - pos) // run, max(1, (_SCRATCH - run) // stride + 1))
+            span = (k - 1) * stride + run
+            if self._scratch is None or len(self._scratch) < span:
+                self._scratch = bytearray(max(span, min(_SCRATCH, 1 << 20)))
+            scratch = memoryview(self._scratch)[:span]
+            self._pread(fd, scratch, seg.offset + r * stride, seg.file)
+            src = np.lib.stride_tricks.as_strided(np.frombuffer(scratch, np.uint8), (k, run), (stride, 1))
+            np.frombuffer(dst, np.uint8)[pos - lo : pos - lo + k * run].reshape(k, run)[...] = src
+            pos += k * run
+
+
+def iter_rank_bytes(plan: RankPlan, start: int = 0, end: int | None = None) -> Iterator[memoryview]:
+    """Convenience: open, stream [start, end), close."""
+    with RankStream(plan) as s:
+        yield from s.chunks(start, end)
