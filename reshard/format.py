@@ -49,6 +49,37 @@ class TensorInfo:
 
 
 @dataclass(frozen=True)
+class Piece:
+    """Part of a global tensor stored contiguously in `info`: the global indices `select` (see loaders)."""
+
+    info: TensorInfo
+    select: tuple[tuple[tuple[int, int], ...], ...]
+
+
+@dataclass(frozen=True)
+class GlobalTensor:
+    """A tensor as the model sees it, stored as one or more pieces (several for a rank-shard directory).
+
+    `kind` and `options` are what a rank-shard source recorded for it (None for a plain checkpoint).
+    """
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    pieces: tuple[Piece, ...]
+    kind: str | None = None
+    options: dict[str, Any] | None = None
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPE_SIZES[self.dtype]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.itemsize
+
+
+@dataclass(frozen=True)
 class FileInfo:
     """One validated safetensors file and the stat fields that make up its identity."""
 
@@ -233,6 +264,13 @@ class Checkpoint:
                     raise CheckpointError(f"tensor {name!r} is in both {tensors[name].file.name} and {p.name}")
                 tensors[name] = t
         return cls(root, files, dict(sorted(tensors.items())), config)
+
+    def global_tensors(self) -> dict[str, GlobalTensor]:
+        """Every tensor as one piece covering all of it."""
+        return {
+            name: GlobalTensor(name, t.dtype, t.shape, (Piece(t, tuple(((0, n),) for n in t.shape)),))
+            for name, t in self.tensors.items()
+        }
 
     def identity(self) -> dict[str, Any]:
         """What makes a plan stale: file names, sizes and mtimes."""

@@ -58,15 +58,17 @@ def split_interval(size: int, rank: int, tp: int, *, pad: bool = False, what: st
     return (rank * chunk, (rank + 1) * chunk)
 
 
-def split_heads(size: int, heads: int, rank: int, tp: int, *, what: str = "dim") -> Interval:
-    """Rank's share of `heads` equal head blocks: split when tp divides heads, else replicate heads.
+def split_heads(size: int, heads: int, rank: int, tp: int, *, replicate: bool = False, what: str = "dim") -> Interval:
+    """Rank's share of `heads` equal head blocks, split on head boundaries.
 
-    With heads < tp (GQA kv heads), each head goes to tp/heads consecutive ranks.
+    With `replicate` (GQA kv heads) and heads < tp, each head goes to tp/heads consecutive ranks.
     """
     if heads <= 0 or size % heads:
         raise PlanError(f"{what} has size {size}, not a multiple of heads={heads}")
     if heads % tp == 0:
         return split_interval(size, rank, tp, what=what)
+    if not replicate:
+        raise PlanError(f"{what}: {heads} heads are not divisible by tp={tp}; pick tp dividing {heads}")
     if tp % heads == 0:
         head_dim = size // heads
         h = rank // (tp // heads)
@@ -138,8 +140,8 @@ class ReplicateLoader(SliceLoader):
 class DimShardLoader(SliceLoader):
     """Contiguous split along `dim`; optional zero padding to a multiple of tp; optional head blocks."""
 
-    def __init__(self, dim: int, *, pad: bool = False, heads: int | None = None) -> None:
-        self.dim, self.pad, self.heads = dim, pad, heads
+    def __init__(self, dim: int, *, pad: bool = False, heads: int | None = None, replicate_heads: bool = False) -> None:
+        self.dim, self.pad, self.heads, self.replicate_heads = dim, pad, heads, replicate_heads
 
     def select(self, shape: tuple[int, ...], rank: int, world_size: int) -> Selection:
         if self.dim >= len(shape):
@@ -147,7 +149,7 @@ class DimShardLoader(SliceLoader):
         what = f"dim {self.dim}"
         size = shape[self.dim]
         if self.heads:
-            iv = split_heads(size, self.heads, rank, world_size, what=what)
+            iv = split_heads(size, self.heads, rank, world_size, replicate=self.replicate_heads, what=what)
         else:
             iv = split_interval(size, rank, world_size, pad=self.pad, what=what)
         sel = list(full_selection(shape))
@@ -158,11 +160,16 @@ class DimShardLoader(SliceLoader):
 class PackedLoader(SliceLoader):
     """A fused tensor of blocks along `dim` (q|k|v, gate|up): each block split on its own, pieces in order."""
 
-    def __init__(self, blocks: Sequence[int], *, dim: int = 0, heads: Sequence[int] | None = None) -> None:
+    def __init__(
+        self, blocks: Sequence[int], *, dim: int = 0, heads: Sequence[int] | None = None,
+        replicate_heads: Sequence[bool] | None = None,
+    ) -> None:
         self.blocks, self.dim = tuple(blocks), dim
         self.heads = tuple(heads) if heads else None
-        if self.heads is not None and len(self.heads) != len(self.blocks):
-            raise PlanError(f"packed_column: {len(self.heads)} heads entries for {len(self.blocks)} blocks")
+        self.replicate_heads = tuple(replicate_heads) if replicate_heads else (False,) * len(self.blocks)
+        for what, seq in (("heads", self.heads), ("replicate_heads", self.replicate_heads)):
+            if seq is not None and len(seq) != len(self.blocks):
+                raise PlanError(f"packed_column: {len(seq)} {what} entries for {len(self.blocks)} blocks")
 
     def select(self, shape: tuple[int, ...], rank: int, world_size: int) -> Selection:
         size = shape[self.dim]
@@ -174,7 +181,7 @@ class PackedLoader(SliceLoader):
         for i, block in enumerate(self.blocks):
             what = f"packed block {i} (size {block})"
             if self.heads:
-                a, b = split_heads(block, self.heads[i], rank, world_size, what=what)
+                a, b = split_heads(block, self.heads[i], rank, world_size, replicate=self.replicate_heads[i], what=what)
             else:
                 a, b = split_interval(block, rank, world_size, what=what)
             pieces.append((offset + a, offset + b))
@@ -229,7 +236,8 @@ def _replicate(rule: Rule, suffix: str) -> ShardLoader:
 
 @register_loader("column")
 def _column(rule: Rule, suffix: str) -> ShardLoader:
-    return DimShardLoader(0, pad=bool(rule.options.get("pad")), heads=_int_option(rule, "heads"))
+    return DimShardLoader(0, pad=bool(rule.options.get("pad")), heads=_int_option(rule, "heads"),
+                          replicate_heads=bool(rule.options.get("replicate_heads")))
 
 
 @register_loader("row")
@@ -253,7 +261,10 @@ def _packed_column(rule: Rule, suffix: str) -> ShardLoader:
     heads = rule.options.get("heads")
     if heads is not None and not (isinstance(heads, list) and all(type(h) is int and h > 0 for h in heads)):
         raise PlanError(f"rule {rule.pattern!r}: packed_column `heads` must be a list of positive integers")
-    return PackedLoader(blocks, heads=heads)
+    rep = rule.options.get("replicate_heads")
+    if rep is not None and not (isinstance(rep, list) and all(isinstance(x, bool) for x in rep)):
+        raise PlanError(f"rule {rule.pattern!r}: packed_column `replicate_heads` must be a list of booleans")
+    return PackedLoader(blocks, heads=heads, replicate_heads=rep)
 
 
 def selection_numel(sel: Selection) -> int:

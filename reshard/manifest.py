@@ -165,11 +165,12 @@ def _options_for(key: str, kind: str, config: dict[str, Any]) -> dict[str, Any]:
     module = key.rsplit(".", 1)[-1]
     if kind == "column" and module in ("q_proj", "k_proj", "v_proj") and "num_attention_heads" in config:
         heads, kv, _ = _attn_sizes(config)
-        return {"heads": heads if module == "q_proj" else kv}
+        return {"heads": heads} if module == "q_proj" else {"heads": kv, "replicate_heads": True}
     if kind == "packed_column":
         if module == "qkv_proj":
             heads, kv, hd = _attn_sizes(config)
-            return {"blocks": [heads * hd, kv * hd, kv * hd], "heads": [heads, kv, kv]}
+            return {"blocks": [heads * hd, kv * hd, kv * hd], "heads": [heads, kv, kv],
+                    "replicate_heads": [False, True, True]}
         if module == "gate_up_proj" and "intermediate_size" in config:
             inter = int(config["intermediate_size"])
             return {"blocks": [inter, inter]}

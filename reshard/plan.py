@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import json
 import math
 from collections.abc import Sequence
@@ -16,8 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from reshard.errors import PlanError
-from reshard.format import DTYPE_SIZES, Checkpoint, TensorInfo
-from reshard.loaders import Selection, full_selection, loader_for, selection_shape
+from reshard.format import DTYPE_SIZES, Checkpoint, GlobalTensor, Piece
+from reshard.loaders import Interval, Selection, full_selection, loader_for, selection_shape
 from reshard.manifest import Manifest, Rule
 
 MAX_TP = 4096
@@ -110,16 +111,72 @@ def check_tp(tp: Any, rank: Any = None) -> None:
         raise PlanError(f"rank={rank!r} is out of range for tp={tp} (0..{tp - 1})")
 
 
-def segments_for(src: TensorInfo, sel: Selection) -> tuple[Segment, ...]:
-    """Source byte runs (and zero padding) that produce `sel` of a contiguous row-major tensor."""
-    shape, item = src.shape, src.itemsize
+def _refine(intervals: tuple[Interval, ...], cuts: list[int], size: int) -> tuple[Interval, ...]:
+    """Split intervals at every cut inside them (padding past `size` stays one interval)."""
+    out = []
+    for a, b in intervals:
+        for c in cuts:
+            if a < c < min(b, size):
+                out.append((a, c))
+                a = c
+        out.append((a, b))
+    return tuple(out)
+
+
+class _PieceIndex:
+    """Maps global index boxes of a tensor to the piece that holds them and the piece's byte layout."""
+
+    def __init__(self, gt: GlobalTensor) -> None:
+        self.gt = gt
+        self.item = gt.itemsize
+        self.local = []  # per piece: (per dim: [(a, b, local start)], local strides)
+        for p in gt.pieces:
+            dims = []
+            for dim in p.select:
+                starts = itertools.accumulate((b - a for a, b in dim), initial=0)
+                dims.append([(a, b, s) for (a, b), s in zip(dim, starts)])
+            lshape = [sum(b - a for a, b in dim) for dim in p.select]
+            strides = [math.prod(lshape[d + 1 :]) * self.item for d in range(len(lshape))]
+            self.local.append((dims, strides))
+
+    def cuts(self, d: int) -> list[int]:
+        return sorted({x for p in self.gt.pieces for a, b in p.select[d] for x in (a, b)})
+
+    def split_dims(self) -> list[bool]:
+        """Dims some piece does not hold whole."""
+        shape = self.gt.shape
+        return [any(p.select[d] != ((0, shape[d]),) for p in self.gt.pieces) for d in range(len(shape))]
+
+    def locate(self, box: list[Interval]) -> tuple[Piece, int, list[int]]:
+        """(piece, byte offset of the box's first element in the piece's file, piece strides)."""
+        for piece, (dims, strides) in zip(self.gt.pieces, self.local):
+            offset = piece.info.start
+            for d, (a, b) in enumerate(box):
+                hit = next(((lo, s) for lo, hi, s in dims[d] if lo <= a and b <= hi), None)
+                if hit is None:
+                    break
+                offset += (hit[1] + a - hit[0]) * strides[d]
+            else:
+                return piece, offset, strides
+        raise PlanError(f"{self.gt.name}: no piece holds indices {box}; the rank shards are incomplete")
+
+
+def segments_for(gt: GlobalTensor, sel: Selection) -> tuple[Segment, ...]:
+    """Source byte runs (and zero padding) that produce `sel` of global tensor `gt`, in row-major order."""
+    shape = gt.shape
     if not shape:
-        return (Segment(str(src.file), src.start, src.nbytes),)
-    strides = [math.prod(shape[d + 1 :]) * item for d in range(len(shape))]
-    full = [len(sel[d]) == 1 and sel[d][0] == (0, shape[d]) for d in range(len(shape))]
-    k = max((d for d in range(len(shape)) if not full[d]), default=-1)
+        p = gt.pieces[0].info
+        return (Segment(str(p.file), p.start, p.nbytes),)
+    index = _PieceIndex(gt)
+    sel = tuple(_refine(sel[d], index.cuts(d), shape[d]) for d in range(len(shape)))
+    split = index.split_dims()
+    nonfull = [split[d] or sel[d] != ((0, shape[d]),) for d in range(len(shape))]
+    k = max((d for d in range(len(shape)) if nonfull[d]), default=-1)
     if k < 0:
-        return (Segment(str(src.file), src.start, src.nbytes),)
+        piece, offset, _ = index.locate([(0, n) for n in shape])
+        return (Segment(str(piece.info.file), offset, gt.nbytes),)
+    inner_bytes = math.prod(shape[k + 1 :]) * gt.itemsize
+    tail = [(0, n) for n in shape[k + 1 :]]
     out: list[Segment] = []
 
     def emit(seg: Segment) -> None:
@@ -131,36 +188,29 @@ def segments_for(src: TensorInfo, sel: Selection) -> tuple[Segment, ...]:
         else:
             out.append(seg)
 
-    def inner(base: int) -> None:  # the intervals of dim k below one index of the dims before it
-        for a, b in sel[k]:
-            hi = min(b, shape[k])
-            if hi > a:
-                emit(Segment(str(src.file), base + a * strides[k], (hi - a) * strides[k]))
-            if b > max(a, shape[k]):
-                emit(Segment(None, 0, (b - max(a, shape[k])) * strides[k]))
+    def pad(n: int) -> None:
+        emit(Segment(None, 0, n))
 
-    def walk(d: int, base: int) -> None:
-        if d == k:
-            inner(base)
-            return
-        block = math.prod(selection_shape(sel[d + 1 :])) * item
-        if d == k - 1 and len(sel[k]) == 1 and sel[k][0][1] <= shape[k]:
-            a_k, b_k = sel[k][0]
-            for a, b in sel[d]:
-                hi = min(b, shape[d])
-                if hi > a:
-                    emit(Segment(str(src.file), base + a * strides[d] + a_k * strides[k],
-                                 (b_k - a_k) * strides[k], hi - a, strides[d]))
-                if b > max(a, shape[d]):
-                    emit(Segment(None, 0, (b - max(a, shape[d])) * block))
-            return
+    def walk(d: int, prefix: list[Interval]) -> None:
+        block = math.prod(selection_shape(sel[d + 1 :])) * gt.itemsize
+        fast = d == k - 1 and len(sel[k]) == 1 and sel[k][0][1] <= shape[k]
         for a, b in sel[d]:
-            for i in range(a, min(b, shape[d])):
-                walk(d + 1, base + i * strides[d])
+            hi = min(b, shape[d])
+            if d == k:
+                if hi > a:
+                    piece, offset, _ = index.locate([*prefix, (a, hi), *tail])
+                    emit(Segment(str(piece.info.file), offset, (hi - a) * inner_bytes))
+            elif fast and hi > a:
+                piece, offset, strides = index.locate([*prefix, (a, hi), sel[k][0], *tail])
+                emit(Segment(str(piece.info.file), offset, (sel[k][0][1] - sel[k][0][0]) * inner_bytes,
+                             hi - a, strides[d]))
+            else:
+                for i in range(a, hi):
+                    walk(d + 1, [*prefix, (i, i + 1)])
             if b > max(a, shape[d]):
-                emit(Segment(None, 0, (b - max(a, shape[d])) * block))
+                pad((b - max(a, shape[d])) * block)
 
-    walk(0, src.start)
+    walk(0, [])
     return tuple(out)
 
 
@@ -208,15 +258,23 @@ def plan_rank(
     """One rank's plan; `rules` from `resolve_rules`."""
     check_tp(tp, rank)
     items: list[OutTensor] = []
-    for name, src in ckpt.tensors.items():
+    for name, src in ckpt.global_tensors().items():
         rule = rules[name]
         sel = tensor_selection(name, src.shape, rule, rank, tp)
         items.append(OutTensor(name, src.dtype, selection_shape(sel), src.shape, rule.kind, dict(rule.options),
                                sel, segments_for(src, sel)))
-    return _layout(items, rank, tp, {str(f.path): f.stat_key() for f in ckpt.files})
+    describe = json.dumps({t.name: t.describe() for t in items}, separators=(",", ":"), sort_keys=True)
+    meta = {"format": FORMAT, "tp": str(tp), "rank": str(rank), "tensors": describe}
+    return layout(items, meta, source_files(ckpt), rank=rank, tp=tp)
 
 
-def _layout(items: list[OutTensor], rank: int, tp: int, files: dict[str, tuple[int, int]]) -> RankPlan:
+def source_files(ckpt: Checkpoint) -> dict[str, tuple[int, int]]:
+    return {str(f.path): f.stat_key() for f in ckpt.files}
+
+
+def layout(
+    items: list[OutTensor], meta: dict[str, str], files: dict[str, tuple[int, int]], *, rank: int = 0, tp: int = 1
+) -> RankPlan:
     """Order tensors (largest item size first, then name, as safetensors does) and build the header."""
     items.sort(key=lambda t: (-DTYPE_SIZES[t.dtype], t.name))
     placed, pos = [], 0
@@ -225,12 +283,6 @@ def _layout(items: list[OutTensor], rank: int, tp: int, files: dict[str, tuple[i
         assert n == sum(s.nbytes for s in t.segments), t.name
         placed.append(dataclasses.replace(t, begin=pos, end=pos + n))
         pos += n
-    meta = {
-        "format": FORMAT,
-        "tp": str(tp),
-        "rank": str(rank),
-        "tensors": json.dumps({t.name: t.describe() for t in placed}, separators=(",", ":"), sort_keys=True),
-    }
     header: dict[str, Any] = {"__metadata__": meta}
     for t in placed:
         header[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [t.begin, t.end]}

@@ -1,0 +1,87 @@
+"""`reshard merge`: rank shards back to a full HF checkpoint, from the shards' own metadata.
+
+Each output file is planned like a rank file (every tensor whole, from the pieces the ranks hold,
+padding dropped) and streamed in bounded chunks: no tensor is ever materialized.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+from reshard.errors import PlanError
+from reshard.format import CONFIG_NAME, INDEX_NAME, SINGLE_NAME
+from reshard.loaders import full_selection
+from reshard.plan import OutTensor, RankPlan, layout, segments_for, source_files
+from reshard.progress import Progress, human
+from reshard.shards import ShardSet
+from reshard.writer import atomic_file, remove_stale_temps, write_json_atomic, write_rank_file
+
+DEFAULT_MAX_FILE = 5 * 10**9
+
+
+def merge_plans(shards: ShardSet, *, max_file_bytes: int = DEFAULT_MAX_FILE) -> list[tuple[str, RankPlan]]:
+    """The output files (HF names) and their plans: tensors in name order, a new file past `max_file_bytes`."""
+    if max_file_bytes <= 0:
+        raise PlanError(f"max file size {max_file_bytes} must be positive")
+    groups: list[list[OutTensor]] = [[]]
+    size = 0
+    for name, gt in shards.global_tensors().items():
+        sel = full_selection(gt.shape)
+        if groups[-1] and size + gt.nbytes > max_file_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(OutTensor(name, gt.dtype, gt.shape, gt.shape, "replicate", {}, sel, segments_for(gt, sel)))
+        size += gt.nbytes
+    files = source_files(shards)
+    n = len(groups)
+    names = [SINGLE_NAME] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    return [(fname, layout(g, {"format": "pt"}, files)) for fname, g in zip(names, groups)]
+
+
+def merge(src: str | Path, out: str | Path, *, max_file_bytes: int = DEFAULT_MAX_FILE,
+          progress: bool | None = None) -> dict[str, Any]:
+    """Merge the rank shards in `src` into an HF checkpoint in `out`; returns a summary."""
+    shards = ShardSet.open(src)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    remove_stale_temps(out)
+    plans = merge_plans(shards, max_file_bytes=max_file_bytes)
+    bar = Progress(sum(p.size for _, p in plans), "merge", enabled=progress)
+    for fname, plan in plans:
+        write_rank_file(plan, out / fname, on_bytes=bar.update)
+    bar.close()
+    if len(plans) > 1:
+        weight_map = {t.name: fname for fname, p in plans for t in p.tensors}
+        total = sum(t.nbytes for _, p in plans for t in p.tensors)
+        write_json_atomic(out / INDEX_NAME, {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))})
+    if (shards.root / CONFIG_NAME).is_file():
+        with atomic_file(out / CONFIG_NAME) as f, open(shards.root / CONFIG_NAME, "rb") as g:
+            shutil.copyfileobj(g, f)
+    return {"files": [f for f, _ in plans], "tensors": len(shards.tensors), "bytes": shards.total_bytes(), "tp": shards.tp}
+
+
+def cmd_merge(args: argparse.Namespace) -> int:
+    summary = merge(args.shards, args.out, max_file_bytes=args.max_file_bytes, progress=args.progress)
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        print(f"merged {summary['tensors']} tensors from tp={summary['tp']} shards into {args.out} "
+              f"({human(summary['bytes'])} in {len(summary['files'])} file(s))")
+    return 0
+
+
+def add_commands(sub: Any) -> None:
+    p = sub.add_parser("merge", help="merge a directory of rank shards back into a full HF checkpoint")
+    p.add_argument("shards", help="directory of rank-XXXXX-of-YYYYY.safetensors files")
+    p.add_argument("-o", "--out", required=True, help="output checkpoint directory")
+    p.add_argument("--max-file-bytes", type=int, default=DEFAULT_MAX_FILE,
+                   help="start a new model-XXXXX-of-YYYYY file past this many bytes (default 5e9)")
+    p.add_argument("--json", action="store_true", help="print a JSON summary")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--progress", dest="progress", action="store_true", default=None)
+    g.add_argument("--no-progress", dest="progress", action="store_false")
+    p.set_defaults(func=cmd_merge)
