@@ -129,14 +129,13 @@ def parse_header(raw: bytes, *, path: Path | str, file_size: int) -> tuple[dict[
         raise _fail(path, f"header is not valid UTF-8 (byte {e.start})") from None
     try:
         obj = json.loads(text, object_pairs_hook=_no_duplicates)
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:  # RecursionError: absurdly deep nesting
         raise _fail(path, f"header is not valid JSON: {e}") from None
     if not isinstance(obj, dict):
         raise _fail(path, f"header is a JSON {type(obj).__name__}, not an object")
-    metadata = obj.pop("__metadata__", None) or {}
-    if not isinstance(metadata, dict) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
-    ):
+    metadata = obj.pop("__metadata__", None)
+    metadata = {} if metadata is None else metadata
+    if not isinstance(metadata, dict) or not all(_is_text(k) and _is_text(v) for k, v in metadata.items()):
         raise _fail(path, "__metadata__ must map strings to strings")
     data_len = file_size - 8 - n
     spans: list[tuple[int, int, str]] = []
@@ -160,9 +159,22 @@ def parse_header(raw: bytes, *, path: Path | str, file_size: int) -> tuple[dict[
     return obj, metadata
 
 
+def _is_text(s: Any) -> bool:
+    """A str that is valid Unicode (JSON `\\ud800` escapes decode to lone surrogates, which safetensors refuses)."""
+    if not isinstance(s, str):
+        return False
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _check_entry(path: Path | str, name: str, entry: Any) -> None:
     if "\x00" in name:
         raise _fail(path, f"tensor name {name!r} contains a NUL byte")
+    if not _is_text(name):
+        raise _fail(path, f"tensor name {name!r} is not valid Unicode (lone surrogate escape)")
     if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
         raise _fail(path, f"tensor {name!r}: entry must have exactly dtype, shape, data_offsets; got {entry!r}"[:300])
     dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
@@ -186,6 +198,16 @@ def _check_entry(path: Path | str, name: str, entry: Any) -> None:
             path,
             f"tensor {name!r}: {offsets[1] - offsets[0]} bytes in data_offsets {offsets} but shape {shape} x {dtype} needs {expected}",
         )
+
+
+def encode_header(meta: dict[str, str], entries: list[tuple[str, str, tuple[int, ...], int, int]]) -> bytes:
+    """Header bytes (length prefix included) for (name, dtype, shape, begin, end) entries, padded to 8."""
+    header: dict[str, Any] = {"__metadata__": meta}
+    for name, dtype, shape, begin, end in entries:
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [begin, end]}
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    return len(blob).to_bytes(8, "little") + blob
 
 
 def read_header(path: Path) -> tuple[FileInfo, dict[str, TensorInfo]]:

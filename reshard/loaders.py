@@ -269,3 +269,33 @@ def _packed_column(rule: Rule, suffix: str) -> ShardLoader:
 
 def selection_numel(sel: Selection) -> int:
     return math.prod(selection_shape(sel))
+
+
+# --- parallel layers: the same kinds, on the trainer side ------------------------------------------
+# A layer factory `(module, spec, group) -> nn.Module` replaces a module (built on the meta device)
+# whose weight has this kind; `spec` is the rank file's self-description of that weight (kind,
+# options, global shape, selection). Registering a kind may add a loader, a layer, or both.
+LayerFactory = Callable[..., Any]
+_LAYERS: dict[str, LayerFactory] = {}
+
+
+def register_layer(kind: str) -> Callable[[LayerFactory], LayerFactory]:
+    """Bind `kind` to a parallel-layer factory; registering one twice is an error."""
+
+    def deco(fn: LayerFactory) -> LayerFactory:
+        if kind in _LAYERS:
+            raise RegistryError(f"layer for kind {kind!r} is already registered; known: {', '.join(sorted(_LAYERS))}")
+        _LAYERS[kind] = fn
+        return fn
+
+    return deco
+
+
+def layer_factory(kind: str) -> LayerFactory | None:
+    """The layer factory for `kind`; None for `replicate` (the module stays as it is)."""
+    if kind == "replicate":
+        return None
+    check_kind(kind)
+    if kind not in _LAYERS:
+        raise RegistryError(f"kind {kind!r} has a loader but no parallel layer; layers exist for: {', '.join(sorted(_LAYERS))}")
+    return _LAYERS[kind]

@@ -155,7 +155,7 @@ def _attn_sizes(config: dict[str, Any]) -> tuple[int, int, int]:
         heads = int(config["num_attention_heads"])
         kv = int(config.get("num_key_value_heads") or heads)
         head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
-    except (KeyError, TypeError, ValueError) as e:
+    except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
         raise ManifestError(f"config.json: cannot derive attention sizes ({e}); write a rules file instead") from None
     return heads, kv, head_dim
 
@@ -171,8 +171,8 @@ def _options_for(key: str, kind: str, config: dict[str, Any]) -> dict[str, Any]:
             heads, kv, hd = _attn_sizes(config)
             return {"blocks": [heads * hd, kv * hd, kv * hd], "heads": [heads, kv, kv],
                     "replicate_heads": [False, True, True]}
-        if module == "gate_up_proj" and "intermediate_size" in config:
-            inter = int(config["intermediate_size"])
+        if module == "gate_up_proj" and isinstance(config.get("intermediate_size"), int):
+            inter = config["intermediate_size"]
             return {"blocks": [inter, inter]}
         raise ManifestError(f"config.json tp_plan: {key!r} is {kind} but its block sizes are unknown; write a rules file")
     return {}
@@ -181,7 +181,7 @@ def _options_for(key: str, kind: str, config: dict[str, Any]) -> dict[str, Any]:
 def _plan_rules(plan: dict[str, Any], config: dict[str, Any]) -> list[Rule]:
     rules = []
     for key, style in plan.items():
-        kind = HF_STYLES.get(style)
+        kind = HF_STYLES.get(style) if isinstance(style, str) else None
         if kind is None:
             raise ManifestError(
                 f"config.json tp_plan: {key!r} uses style {style!r}, which reshard does not map; "
@@ -196,7 +196,8 @@ def _plan_rules(plan: dict[str, Any], config: dict[str, Any]) -> list[Rule]:
 def from_config(config: dict[str, Any], tensor_names: Iterable[str] = ()) -> Manifest:
     """Rules from config.json: `base_model_tp_plan` if present, else the built-in plan for `model_type`.
 
-    Embeddings become `vocab_embed` and an untied `lm_head` `column`, both padded to a multiple of tp.
+    Embeddings become `vocab_embed` and an untied `lm_head` `column` (its output gathered in the
+    trainer), both padded to a multiple of tp.
     """
     plan = config.get("base_model_tp_plan")
     model_type = config.get("model_type")
@@ -212,9 +213,11 @@ def from_config(config: dict[str, Any], tensor_names: Iterable[str] = ()) -> Man
         )
     rules = _plan_rules(plan, config)
     names = list(tensor_names)
-    for name, kind in (("model.embed_tokens.weight", "vocab_embed"), ("lm_head.weight", "column")):
+    defaults = (("model.embed_tokens.weight", "vocab_embed", {"pad": True}),
+                ("lm_head.weight", "column", {"pad": True, "gather_output": True}))
+    for name, kind, options in defaults:
         if not any(r.matches(name) for r in rules):
-            rules.append(Rule(name, kind, {"pad": True}))
+            rules.append(Rule(name, kind, options))
     if names:
         rules = [r for r in rules if r.regex or any(r.matches(n) for n in names)]
     return Manifest(tuple(rules), False, source)

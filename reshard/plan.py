@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from reshard.errors import PlanError
-from reshard.format import DTYPE_SIZES, Checkpoint, GlobalTensor, Piece
+from reshard.format import DTYPE_SIZES, Checkpoint, GlobalTensor, Piece, encode_header
 from reshard.loaders import Interval, Selection, full_selection, loader_for, selection_shape
 from reshard.manifest import Manifest, Rule
 
@@ -263,9 +263,19 @@ def plan_rank(
         sel = tensor_selection(name, src.shape, rule, rank, tp)
         items.append(OutTensor(name, src.dtype, selection_shape(sel), src.shape, rule.kind, dict(rule.options),
                                sel, segments_for(src, sel)))
-    describe = json.dumps({t.name: t.describe() for t in items}, separators=(",", ":"), sort_keys=True)
-    meta = {"format": FORMAT, "tp": str(tp), "rank": str(rank), "tensors": describe}
+    meta = rank_metadata(tp, rank, {t.name: t.describe() for t in items})
     return layout(items, meta, source_files(ckpt), rank=rank, tp=tp)
+
+
+def rank_metadata(tp: int, rank: int, tensors: dict[str, dict[str, Any]]) -> dict[str, str]:
+    """A rank file's `__metadata__`: format, tp, rank and every tensor's self-description."""
+    describe = json.dumps(tensors, separators=(",", ":"), sort_keys=True)
+    return {"format": FORMAT, "tp": str(tp), "rank": str(rank), "tensors": describe}
+
+
+def data_order(name: str, dtype: str) -> tuple[int, str]:
+    """Tensor order in a file: largest item size first, then name (as safetensors does)."""
+    return (-DTYPE_SIZES[dtype], name)
 
 
 def source_files(ckpt: Checkpoint) -> dict[str, tuple[int, int]]:
@@ -276,19 +286,15 @@ def layout(
     items: list[OutTensor], meta: dict[str, str], files: dict[str, tuple[int, int]], *, rank: int = 0, tp: int = 1
 ) -> RankPlan:
     """Order tensors (largest item size first, then name, as safetensors does) and build the header."""
-    items.sort(key=lambda t: (-DTYPE_SIZES[t.dtype], t.name))
+    items.sort(key=lambda t: data_order(t.name, t.dtype))
     placed, pos = [], 0
     for t in items:
         n = math.prod(t.shape) * DTYPE_SIZES[t.dtype]
         assert n == sum(s.nbytes for s in t.segments), t.name
         placed.append(dataclasses.replace(t, begin=pos, end=pos + n))
         pos += n
-    header: dict[str, Any] = {"__metadata__": meta}
-    for t in placed:
-        header[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [t.begin, t.end]}
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)
-    return RankPlan(rank, tp, tuple(placed), len(blob).to_bytes(8, "little") + blob, files)
+    header = encode_header(meta, [(t.name, t.dtype, t.shape, t.begin, t.end) for t in placed])
+    return RankPlan(rank, tp, tuple(placed), header, files)
 
 
 @dataclass(frozen=True)

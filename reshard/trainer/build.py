@@ -1,0 +1,85 @@
+"""`build_model`: meta device -> parallelize -> to_empty -> fill from this rank's shard.
+
+The source is a directory written by `reshard write` (or saved by the trainer), or the service's URL
+for a checkpoint (`http://HOST:PORT/v1/checkpoints/NAME`): then only this rank's shard is pulled,
+and its bytes go straight into the materialized parameters as they arrive.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed import ProcessGroup
+
+from reshard.errors import CheckpointError
+from reshard.format import CONFIG_NAME
+from reshard.plan import rank_file_name
+from reshard.shards import RANK_FILE
+from reshard.tp.comm import tp_rank, tp_world_size
+from reshard.trainer.fill import RankHeader, file_chunks, fill_parameters, read_header_from
+from reshard.trainer.model import LlamaForCausalLM, ModelConfig
+from reshard.trainer.parallel import parallelize
+from reshard.writer import MANIFEST_NAME
+
+
+def is_url(source: str | Path) -> bool:
+    return str(source).startswith(("http://", "https://"))
+
+
+def open_rank_stream(
+    source: str | Path, rank: int, tp: int, *, token: str | None = None
+) -> tuple[dict[str, Any], Iterator[Any], str | None, str]:
+    """(config, byte chunks of this rank's file, expected sha256 or None, a name for errors)."""
+    if is_url(source):
+        from reshard.client import ShardClient
+
+        client = ShardClient(str(source), token=token)
+        config = client.info().get("config")
+        if not isinstance(config, dict):
+            raise CheckpointError(f"{source}: the checkpoint has no config.json; the trainer needs one")
+        return config, iter(client.iter_shard(rank, tp)), None, f"{source} rank {rank}/{tp}"
+    root = Path(source)
+    path = root / rank_file_name(rank, tp)
+    if not path.is_file():
+        have = sorted({int(m.group(2)) for p in root.glob("rank-*") if (m := RANK_FILE.fullmatch(p.name))})
+        raise CheckpointError(
+            f"{root}: no {path.name} for tp={tp} (shards here are for tp={have or 'none'}); "
+            f"run `reshard write {root} --tp {tp} -o DIR`"
+        )
+    if not (root / CONFIG_NAME).is_file():
+        raise CheckpointError(f"{root}: no config.json beside the rank files; the trainer needs one")
+    config = json.loads((root / CONFIG_NAME).read_text())
+    sha = None
+    if (root / MANIFEST_NAME).is_file():
+        sha = json.loads((root / MANIFEST_NAME).read_text()).get("files", {}).get(path.name, {}).get("sha256")
+    return config, file_chunks(path), sha, str(path)
+
+
+def build_model(
+    source: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
+    group: ProcessGroup | None = None, token: str | None = None,
+) -> LlamaForCausalLM:
+    """This rank's TP model (tp = the group's world size), filled from its rank shard of `source`."""
+    tp, rank = tp_world_size(group), tp_rank(group)
+    config, chunks, sha, name = open_rank_stream(source, rank, tp, token=token)
+    header, leftover = read_header_from(chunks, None, name)
+    if (header.tp, header.rank) != (tp, rank):
+        raise CheckpointError(f"{name}: is rank {header.rank} of tp={header.tp}, expected {rank} of {tp}")
+    model = LlamaForCausalLM(ModelConfig.from_hf(config), device="meta")
+    if dtype is not None:
+        model.to(dtype)
+    parallelize(model, header.tensors, group=group,
+                tied=("lm_head", "model.embed_tokens") if model.config.tie_word_embeddings else None)
+    model.to_empty(device=device)
+    model.tie_weights()
+    model.rank_header = header  # what `save_rank_shard` describes the saved file with
+    model.hf_config = config
+    fill_parameters(header, chunks, dict(model.named_parameters()), sha256=sha, leftover=leftover)
+    return model
+
+
+__all__ = ["RankHeader", "build_model", "open_rank_stream"]

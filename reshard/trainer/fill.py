@@ -1,0 +1,134 @@
+"""Fill materialized parameters from a rank file's byte stream, as the bytes arrive.
+
+The stream is the rank file itself (from disk or from the service): header first, then each tensor's
+bytes in offset order. Bytes go straight into the parameter's storage when dtype and device allow;
+otherwise through one tensor-sized buffer. No second copy of the shard ever exists.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from reshard.errors import HeaderError, IntegrityError, PlanError
+from reshard.format import MAX_HEADER_BYTES, parse_header
+from reshard.loaders import TORCH_DTYPES
+
+
+class RankHeader:
+    """A parsed rank-file header: tensor entries plus the shard's self-description."""
+
+    def __init__(self, raw: bytes, total: int | None, source: str) -> None:
+        if total is None:  # a stream of unknown length: the header says where the data ends
+            total = len(raw) + _data_end(raw)
+        self.raw, self.total, self.source = raw, total, source
+        self.entries, self.metadata = parse_header(raw, path=source, file_size=total)
+        try:
+            self.tp, self.rank = int(self.metadata["tp"]), int(self.metadata["rank"])
+            self.tensors: dict[str, dict[str, Any]] = json.loads(self.metadata["tensors"])
+        except (KeyError, ValueError):
+            raise HeaderError(f"{source}: not a reshard rank file (no tp/rank/tensors metadata)") from None
+
+    @property
+    def length(self) -> int:
+        return len(self.raw)
+
+
+def _data_end(raw: bytes) -> int:
+    try:
+        obj = json.loads(raw[8:])
+        return max((v["data_offsets"][1] for k, v in obj.items() if k != "__metadata__"), default=0)
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+        return 0  # parse_header will say what is wrong
+
+
+def read_header_from(chunks: Iterator[memoryview | bytes], total: int | None, source: str) -> tuple[RankHeader, bytearray]:
+    """Take bytes from `chunks` until the header is complete; return it and the bytes after it."""
+    buf = bytearray()
+    need = 8
+    while len(buf) < need:
+        try:
+            buf += next(chunks)
+        except StopIteration:
+            raise HeaderError(f"{source}: stream ended after {len(buf)} bytes, inside the header") from None
+        if need == 8 and len(buf) >= 8:
+            (n,) = struct.unpack("<Q", buf[:8])
+            if n > MAX_HEADER_BYTES:
+                raise HeaderError(f"{source}: header length {n} exceeds the {MAX_HEADER_BYTES}-byte limit")
+            need = 8 + n
+    return RankHeader(bytes(buf[:need]), total, source), buf[need:]
+
+
+def _byte_view(t: torch.Tensor) -> memoryview:
+    return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy())
+
+
+def fill_parameters(
+    header: RankHeader, rest: Iterable[memoryview | bytes], targets: dict[str, torch.Tensor], *,
+    sha256: str | None = None, leftover: bytes | bytearray = b"",
+) -> None:
+    """Copy every tensor of the stream into `targets[name]` (materialized, contiguous, same shape).
+
+    `leftover` is what came after the header in its chunk; `rest` yields the remaining bytes.
+    With `sha256`, the whole stream (header included) must hash to it.
+    """
+    order = sorted(header.entries.items(), key=lambda kv: kv[1]["data_offsets"][0])
+    missing = sorted(set(targets) - set(header.entries))
+    extra = sorted(set(header.entries) - set(targets))
+    if missing or extra:
+        raise PlanError(f"{header.source}: shard and model disagree: missing {missing[:3]}, unexpected {extra[:3]}")
+    sha = hashlib.sha256(header.raw) if sha256 else None
+    plans = []
+    for name, e in order:
+        t = targets[name]
+        if tuple(t.shape) != tuple(e["shape"]):
+            raise PlanError(f"{header.source}: {name} has shape {e['shape']} in the shard, {list(t.shape)} in the model")
+        direct = t.device.type == "cpu" and t.dtype == TORCH_DTYPES[e["dtype"]] and t.is_contiguous()
+        plans.append((name, e, t, direct))
+
+    def chunks() -> Iterator[memoryview]:
+        if leftover:
+            yield memoryview(leftover)
+        for c in rest:
+            yield memoryview(c)
+
+    it = chunks()
+    pending = memoryview(b"")
+    for name, e, t, direct in plans:
+        src_dtype = TORCH_DTYPES[e["dtype"]]
+        staging = t if direct else torch.empty(t.shape, dtype=src_dtype)
+        dst = _byte_view(staging) if staging.numel() else memoryview(bytearray())
+        got = 0
+        while got < len(dst):
+            if not pending:
+                try:
+                    pending = next(it)
+                except StopIteration:
+                    raise IntegrityError(f"{header.source}: stream ended inside tensor {name}") from None
+                if sha is not None:
+                    sha.update(pending)
+            n = min(len(pending), len(dst) - got)
+            dst[got : got + n] = pending[:n]
+            pending = pending[n:]
+            got += n
+        if not direct:
+            with torch.no_grad():
+                t.copy_(staging)
+    # exhaust the stream (an HTTP client verifies its digest at the end); nothing may follow
+    if len(pending) or any(len(c) for c in it):
+        raise IntegrityError(f"{header.source}: bytes after the last tensor")
+    if sha is not None and sha.hexdigest() != sha256:
+        raise IntegrityError(f"{header.source}: sha256 {sha.hexdigest()} does not match the recorded {sha256}")
+
+
+def file_chunks(path: Path, start: int = 0, chunk: int = 8 << 20) -> Iterator[bytes]:
+    with open(path, "rb") as f:
+        f.seek(start)
+        while data := f.read(chunk):
+            yield data

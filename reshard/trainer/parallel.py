@@ -1,0 +1,124 @@
+"""Parallelize a meta-device model: swap each module for the parallel layer of its weight's kind.
+
+The kinds come from the rank shard's self-description, i.e. from the same manifest that resharded
+the checkpoint, and each kind's layer is looked up in the registry (`register_layer`), next to its
+loader. The model file itself knows nothing of this.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from reshard.errors import PlanError
+from reshard.loaders import layer_factory, register_layer, selection_shape
+from reshard.tp import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, copy_to_tp_region
+from reshard.tp.comm import tp_rank, tp_world_size
+
+Spec = dict[str, Any]
+
+
+def _local_rows(spec: Spec) -> int:
+    sel = tuple(tuple(tuple(iv) for iv in dim) for dim in spec["select"])
+    return selection_shape(sel)[0]
+
+
+class HeadReplicatedLinear(nn.Module):
+    """A column-parallel projection whose heads are fewer than tp: each head lives on tp/heads ranks.
+
+    Forward: identity into the region (input gradient all-reduced, as for a column layer). The
+    weight gradient of a shared head is summed over the ranks that hold it (`share_group`).
+    """
+
+    def __init__(self, in_features: int, local_out: int, bias: bool, *, group: ProcessGroup | None,
+                 share_group: ProcessGroup | None, device: Any = None, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.group, self.share_group = group, share_group
+        self.weight = nn.Parameter(torch.empty(local_out, in_features, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(local_out, device=device, dtype=dtype)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # copy_to_tp_region over the sharers: identity forward, gradient summed over them backward
+        weight = copy_to_tp_region(self.weight, self.share_group)
+        bias = copy_to_tp_region(self.bias, self.share_group) if self.bias is not None else None
+        return F.linear(copy_to_tp_region(x, self.group), weight, bias)
+
+
+def _share_groups(heads: int, group: ProcessGroup | None) -> ProcessGroup | None:
+    """Create (collectively, on every rank) the groups of ranks sharing each head; return this rank's."""
+    tp, rank = tp_world_size(group), tp_rank(group)
+    rep = tp // heads
+    mine = None
+    for h in range(heads):
+        members = list(range(h * rep, (h + 1) * rep))
+        global_ranks = [dist.get_global_rank(group, r) for r in members] if group is not None else members
+        g = dist.new_group(global_ranks)
+        if rank in members:
+            mine = g
+    return mine
+
+
+@register_layer("column")
+def _column_layer(module: nn.Module, spec: Spec, group: ProcessGroup | None) -> nn.Module:
+    out, inn = spec["shape"]
+    tp, local = tp_world_size(group), _local_rows(spec)
+    opts = spec.get("options") or {}
+    bias = getattr(module, "bias", None) is not None
+    factory = {"device": "meta", "dtype": module.weight.dtype}
+    heads = opts.get("heads")
+    if opts.get("replicate_heads") and heads and heads < tp:  # GQA kv heads shared by tp/heads ranks
+        return HeadReplicatedLinear(inn, local, bias, group=group, share_group=_share_groups(heads, group), **factory)
+    return ColumnParallelLinear(inn, out, bias, gather_output=bool(opts.get("gather_output")),
+                                padded_out_features=local * tp, group=group, **factory)
+
+
+@register_layer("packed_column")
+def _packed_layer(module: nn.Module, spec: Spec, group: ProcessGroup | None) -> nn.Module:
+    out, inn = spec["shape"]
+    if _local_rows(spec) * tp_world_size(group) != out:
+        raise PlanError(f"packed_column of shape {out}x{inn}: heads shared between ranks are not supported by the trainer")
+    return ColumnParallelLinear(inn, out, getattr(module, "bias", None) is not None, group=group,
+                                device="meta", dtype=module.weight.dtype)
+
+
+@register_layer("row")
+def _row_layer(module: nn.Module, spec: Spec, group: ProcessGroup | None) -> nn.Module:
+    out, inn = spec["shape"]
+    return RowParallelLinear(inn, out, getattr(module, "bias", None) is not None, group=group,
+                             device="meta", dtype=module.weight.dtype)
+
+
+@register_layer("vocab_embed")
+def _vocab_layer(module: nn.Module, spec: Spec, group: ProcessGroup | None) -> nn.Module:
+    vocab, dim = spec["shape"]
+    return VocabParallelEmbedding(vocab, dim, padded_num_embeddings=_local_rows(spec) * tp_world_size(group),
+                                  group=group, device="meta", dtype=module.weight.dtype)
+
+
+def parallelize(model: nn.Module, specs: dict[str, Spec], *, group: ProcessGroup | None = None,
+                tied: tuple[str, str] | None = None) -> nn.Module:
+    """Swap every module whose `.weight` has a non-replicate kind in `specs` (name -> self-description).
+
+    `tied=(head, embedding)` names an output head that shares the embedding's weight and so has no
+    entry of its own: it becomes a gathered column-parallel layer split like the embedding.
+    """
+    specs = dict(specs)
+    if tied and f"{tied[0]}.weight" not in specs and f"{tied[1]}.weight" in specs:
+        emb = specs[f"{tied[1]}.weight"]
+        if emb["kind"] != "replicate":
+            specs[f"{tied[0]}.weight"] = {**emb, "kind": "column", "options": {"gather_output": True}}
+    for name, module in list(model.named_modules()):
+        spec = specs.get(f"{name}.weight")
+        if spec is None or not isinstance(module, nn.Linear | nn.Embedding):
+            continue
+        factory = layer_factory(spec["kind"])
+        if factory is None:
+            continue
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, factory(module, spec, group))
+    return model

@@ -1,0 +1,58 @@
+"""Save this rank's parameters as a rank shard in the same self-describing format `reshard write` makes."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from reshard.errors import PlanError
+from reshard.format import CONFIG_NAME, DTYPE_SIZES, encode_header
+from reshard.loaders import TORCH_DTYPES
+from reshard.plan import data_order, rank_file_name, rank_metadata
+from reshard.trainer.fill import RankHeader
+from reshard.writer import MANIFEST_NAME, atomic_file, write_json_atomic
+
+DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
+
+
+def save_rank_shard(model: nn.Module, out_dir: str | Path, *, config: dict | None = None) -> Path:
+    """Write `rank-R-of-T.safetensors` for this rank into `out_dir` (atomically), one tensor at a time.
+
+    The file describes itself exactly as the shard the model was built from did, so `reshard merge`
+    and `reshard write` read it with nothing else at hand. Rank 0 also writes config.json.
+    """
+    header: RankHeader = model.rank_header
+    params = dict(model.named_parameters())
+    missing = sorted(set(header.tensors) - set(params))
+    if missing:
+        raise PlanError(f"model has no parameters for {missing[:3]} described by its shard")
+    tensors = {name: params[name].detach() for name in header.tensors}
+    order = sorted(tensors, key=lambda n: data_order(n, DTYPE_NAMES[tensors[n].dtype]))
+    entries, pos = [], 0
+    for name in order:
+        t = tensors[name]
+        n = math.prod(t.shape) * DTYPE_SIZES[DTYPE_NAMES[t.dtype]]
+        entries.append((name, DTYPE_NAMES[t.dtype], tuple(t.shape), pos, pos + n))
+        pos += n
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / rank_file_name(header.rank, header.tp)
+    with atomic_file(path) as f:
+        f.write(encode_header(rank_metadata(header.tp, header.rank, header.tensors), entries))
+        for name in order:
+            t = tensors[name].to("cpu").contiguous()
+            if t.numel():
+                f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+    if header.rank == 0:
+        with contextlib.suppress(FileNotFoundError):
+            (out / MANIFEST_NAME).unlink()  # an older record would no longer describe these files
+        if config is not None:
+            write_json_atomic(out / CONFIG_NAME, config)
+    return path
+
+
+__all__ = ["save_rank_shard"]
