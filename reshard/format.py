@@ -14,7 +14,7 @@ import os
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from reshard.errors import CheckpointError, HeaderError
 
@@ -231,6 +231,20 @@ def read_header(path: Path) -> tuple[FileInfo, dict[str, TensorInfo]]:
         for name, e in entries.items()
     }
     return FileInfo(path, st.st_size, st.st_mtime_ns, header_len, metadata), tensors
+
+
+class Source(Protocol):
+    """What a plan reads: a checkpoint, or a directory of rank shards (`reshard.shards.ShardSet`)."""
+
+    root: Path
+    files: list[FileInfo]
+    config: dict[str, Any] | None
+
+    def global_tensors(self) -> dict[str, GlobalTensor]: ...
+
+    def identity(self) -> dict[str, Any]: ...
+
+    def total_bytes(self) -> int: ...
 
 
 @dataclass

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from reshard.errors import PlanError
-from reshard.format import DTYPE_SIZES, Checkpoint, GlobalTensor, Piece, encode_header
+from reshard.format import DTYPE_SIZES, GlobalTensor, Piece, Source, encode_header
 from reshard.loaders import Interval, Selection, full_selection, loader_for, selection_shape
 from reshard.manifest import Manifest, Rule
 
@@ -253,7 +253,7 @@ def resolve_rules(ckpt_tensors: Sequence[str], manifest: Manifest, *, strict: bo
 
 
 def plan_rank(
-    ckpt: Checkpoint, rules: dict[str, Rule], tp: int, rank: int
+    ckpt: Source, rules: dict[str, Rule], tp: int, rank: int
 ) -> RankPlan:
     """One rank's plan; `rules` from `resolve_rules`."""
     check_tp(tp, rank)
@@ -278,7 +278,7 @@ def data_order(name: str, dtype: str) -> tuple[int, str]:
     return (-DTYPE_SIZES[dtype], name)
 
 
-def source_files(ckpt: Checkpoint) -> dict[str, tuple[int, int]]:
+def source_files(ckpt: Source) -> dict[str, tuple[int, int]]:
     return {str(f.path): f.stat_key() for f in ckpt.files}
 
 
@@ -314,13 +314,13 @@ class Plan:
 
 
 def make_plan(
-    ckpt: Checkpoint, manifest: Manifest, tp: int, *, ranks: Sequence[int] | None = None, strict: bool = False
+    ckpt: Source, manifest: Manifest, tp: int, *, ranks: Sequence[int] | None = None, strict: bool = False
 ) -> Plan:
     """Plan `ranks` (default all) of `tp`; pure: reads no tensor data."""
     check_tp(tp)
     for r in ranks or ():
         check_tp(tp, r)
-    rules, warnings = resolve_rules(list(ckpt.tensors), manifest, strict=strict)
+    rules, warnings = resolve_rules(list(ckpt.global_tensors()), manifest, strict=strict)
     rank_plans = tuple(plan_rank(ckpt, rules, tp, r) for r in (ranks if ranks is not None else range(tp)))
     identity = {"source": ckpt.identity(), "manifest": manifest.digest(), "tp": tp, "format": FORMAT}
     return Plan(tp, rank_plans, manifest, identity, tuple(warnings))

@@ -316,3 +316,45 @@ def make_checkpoint(
     elif index_path.exists():
         index_path.unlink()
     return out
+
+
+# The demo's model: a few tens of millions of parameters, a vocabulary that tp=2 must pad
+# (32001 rows), and config.json carrying its own HF-style tp_plan.
+PRESETS: dict[str, dict[str, Any]] = {
+    "demo": dict(vocab_size=32001, hidden_size=384, intermediate_size=1024, num_hidden_layers=6,
+                 num_attention_heads=6, num_key_value_heads=2),
+    "tiny": dict(vocab_size=301, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2),
+}
+HF_LLAMA_TP_PLAN = {
+    "layers.*.self_attn.q_proj": "colwise", "layers.*.self_attn.k_proj": "colwise",
+    "layers.*.self_attn.v_proj": "colwise", "layers.*.self_attn.o_proj": "rowwise",
+    "layers.*.mlp.gate_proj": "colwise", "layers.*.mlp.up_proj": "colwise", "layers.*.mlp.down_proj": "rowwise",
+}
+
+
+def preset_config(name: str) -> dict[str, Any]:
+    """A named llama config (`demo`, `tiny`) with `base_model_tp_plan` written into it."""
+    if name not in PRESETS:
+        raise CheckpointError(f"unknown preset {name!r}; known: {', '.join(PRESETS)}")
+    return llama_config(**PRESETS[name], base_model_tp_plan=HF_LLAMA_TP_PLAN)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m reshard.synth", description="Write a random-weight HF checkpoint.")
+    p.add_argument("out", help="output checkpoint directory")
+    p.add_argument("--preset", default="demo", choices=sorted(PRESETS))
+    p.add_argument("--files", type=int, default=2, help="number of safetensors files (index.json when > 1)")
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "float16", "bfloat16"])
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    make_checkpoint(args.out, preset_config(args.preset), dtype=getattr(torch, args.dtype),
+                    num_files=args.files, seed=args.seed)
+    print(f"wrote {args.preset} checkpoint to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

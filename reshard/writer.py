@@ -12,7 +12,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import IO, Any
 
-from reshard.format import CONFIG_NAME, Checkpoint
+from reshard.format import CONFIG_NAME, Source
 from reshard.plan import Plan, RankPlan, rank_file_name
 from reshard.progress import Progress
 from reshard.stream import CHUNK, RankStream
@@ -103,7 +103,7 @@ def write_rank_file(plan: RankPlan, path: Path, *, on_bytes: Callable[[int], Non
 
 
 def write_shards(
-    ckpt: Checkpoint, plan: Plan, out_dir: str | os.PathLike[str], *, progress: bool | None = None
+    ckpt: Source, plan: Plan, out_dir: str | os.PathLike[str], *, progress: bool | None = None
 ) -> dict[str, Any]:
     """Write every rank in `plan` to `out_dir`, then `reshard.json` (merged with an earlier run of the same plan)."""
     out = Path(out_dir)
