@@ -119,7 +119,8 @@ def verify_merge(original: Path, trained: Path, merged: Path) -> int:
 def ascii_plot(values: list[float], width: int = 60, height: int = 10) -> str:
     lo, hi = min(values), max(values)
     span = (hi - lo) or 1.0
-    cols = [values[int(i * (len(values) - 1) / max(width - 1, 1))] for i in range(min(width, len(values)))]
+    n = min(width, len(values))
+    cols = [values[round(i * (len(values) - 1) / max(n - 1, 1))] for i in range(n)]
     rows = []
     for r in range(height, -1, -1):
         level = lo + span * r / height
