@@ -97,11 +97,15 @@ def _fail(path: Path | str, msg: str) -> HeaderError:
     return HeaderError(f"{path}: {msg}")
 
 
+class _Duplicate(ValueError):
+    pass
+
+
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in pairs:
         if key in out:
-            raise ValueError(f"duplicate name {key!r}")
+            raise _Duplicate(f"duplicate name {key!r} in the header")
         out[key] = value
     return out
 
@@ -129,6 +133,8 @@ def parse_header(raw: bytes, *, path: Path | str, file_size: int) -> tuple[dict[
         raise _fail(path, f"header is not valid UTF-8 (byte {e.start})") from None
     try:
         obj = json.loads(text, object_pairs_hook=_no_duplicates)
+    except _Duplicate as e:
+        raise _fail(path, str(e)) from None
     except (ValueError, RecursionError) as e:  # RecursionError: absurdly deep nesting
         raise _fail(path, f"header is not valid JSON: {e}") from None
     if not isinstance(obj, dict):

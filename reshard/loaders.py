@@ -229,6 +229,13 @@ def _int_option(rule: Rule, key: str) -> int | None:
     return value
 
 
+def _bool_option(rule: Rule, key: str) -> bool:
+    value = rule.options.get(key, False)
+    if type(value) is not bool:
+        raise PlanError(f"rule {rule.pattern!r}: option {key}={value!r} must be true or false")
+    return value
+
+
 @register_loader("replicate")
 def _replicate(rule: Rule, suffix: str) -> ShardLoader:
     return ReplicateLoader()
@@ -236,8 +243,9 @@ def _replicate(rule: Rule, suffix: str) -> ShardLoader:
 
 @register_loader("column")
 def _column(rule: Rule, suffix: str) -> ShardLoader:
-    return DimShardLoader(0, pad=bool(rule.options.get("pad")), heads=_int_option(rule, "heads"),
-                          replicate_heads=bool(rule.options.get("replicate_heads")))
+    _bool_option(rule, "gather_output")  # a trainer-side option; checked here so typos fail early
+    return DimShardLoader(0, pad=_bool_option(rule, "pad"), heads=_int_option(rule, "heads"),
+                          replicate_heads=_bool_option(rule, "replicate_heads"))
 
 
 @register_loader("row")
@@ -245,12 +253,12 @@ def _row(rule: Rule, suffix: str) -> ShardLoader:
     # The bias is added once after the all-reduce, so every rank keeps all of it.
     if suffix == ".bias":
         return ReplicateLoader()
-    return DimShardLoader(1, pad=bool(rule.options.get("pad")))
+    return DimShardLoader(1, pad=_bool_option(rule, "pad"))
 
 
 @register_loader("vocab_embed")
 def _vocab_embed(rule: Rule, suffix: str) -> ShardLoader:
-    return DimShardLoader(0, pad=bool(rule.options.get("pad")))
+    return DimShardLoader(0, pad=_bool_option(rule, "pad"))
 
 
 @register_loader("packed_column")

@@ -89,6 +89,8 @@ class Manifest:
         unknown = set(obj) - {"rules", "strict", "default"}
         if unknown:
             raise ManifestError(f"{source}: unknown top-level keys {sorted(unknown)}; expected rules, strict")
+        if type(obj.get("strict", False)) is not bool:
+            raise ManifestError(f"{source}: strict must be true or false, got {obj['strict']!r}")
         strict = obj.get("strict", False) or obj.get("default") in ("strict", "error")
         if obj.get("default") not in (None, "replicate", "strict", "error"):
             raise ManifestError(f"{source}: default must be 'replicate' or 'strict', got {obj['default']!r}")

@@ -1,0 +1,17 @@
+"""Fixtures for the core tests; the helpers themselves live in `helpers.py`."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from reshard import loaders
+
+
+@pytest.fixture(autouse=True)
+def _registry_unchanged() -> Iterator[None]:
+    """Every test leaves the kind registry exactly as it found it."""
+    before = dict(loaders._REGISTRY)
+    yield
+    assert loaders._REGISTRY == before, "a test left the loader registry changed"
