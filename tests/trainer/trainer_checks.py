@@ -1,0 +1,160 @@
+"""Worker-side code and helpers for the TP trainer tests (`test_tp_trainer.py`).
+
+The functions named `*_job` run inside ranks spawned by `tests/_dist.py` (module level: they are
+pickled by name, and the spawned ranks inherit this process's sys.path). Each job does every check of
+one world size in one process group and returns plain values; the tests assert on them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import io
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+_TESTS = str(Path(__file__).resolve().parents[1])
+if _TESTS not in sys.path:  # `tests/_dist.py` is importable as `_dist` without a conftest here
+    sys.path.insert(0, _TESTS)
+
+from _dist import run_distributed  # noqa: E402
+
+from reshard.errors import ReshardError  # noqa: E402
+from reshard.train import main as train_main  # noqa: E402
+from reshard.trainer import build_model, causal_lm_loss, save_rank_shard  # noqa: E402
+
+__all__ = ["run_distributed"]
+
+REPO = Path(__file__).resolve().parents[2]
+PYTHON = sys.executable
+
+
+# --- inside the ranks ---------------------------------------------------------------------------
+
+
+def logits_job(
+    rank: int, world_size: int, cases: dict[str, str], ids: torch.Tensor, save_root: str | None,
+    wrong_tp_dirs: list[str],
+) -> dict[str, Any]:
+    """Build each case's model from its shard dir; return logits and loss; save shards if asked.
+
+    `wrong_tp_dirs` are shard dirs of another tp: building from them must fail on every rank.
+    """
+    torch.set_num_threads(1)
+    out: dict[str, Any] = {"logits": {}, "loss": {}, "local_shapes": {}, "grads": {}, "selects": {}, "errors": {}}
+    for name, shard_dir in cases.items():
+        model = build_model(shard_dir)
+        model.eval()
+        with torch.no_grad():
+            out["logits"][name] = model(ids)
+        loss = causal_lm_loss(model, ids[:, :-1], ids[:, 1:])
+        loss.backward()
+        out["loss"][name] = loss.item()
+        params = dict(model.named_parameters())
+        out["local_shapes"][name] = {k: tuple(p.shape) for k, p in params.items()}
+        out["grads"][name] = {k: p.grad.clone() for k, p in params.items()}
+        out["selects"][name] = {k: model.rank_header.tensors[k]["select"] for k in params}
+        model.zero_grad(set_to_none=True)
+        if save_root is not None:
+            save_rank_shard(model, Path(save_root) / name, config=model.hf_config)
+    for shard_dir in wrong_tp_dirs:
+        try:
+            build_model(shard_dir)
+        except ReshardError as exc:
+            out["errors"][shard_dir] = (type(exc).__name__, str(exc))
+        else:
+            out["errors"][shard_dir] = None
+    return out
+
+
+def _status_kib() -> dict[str, int]:
+    values = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, rest = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                values[key] = int(rest.split()[0])
+    return values
+
+
+def build_memory_job(rank: int, world_size: int, shard_dir: str) -> dict[str, int]:
+    """Peak RSS increase (bytes) of this rank while `build_model` runs, and its parameter bytes.
+
+    The kernel's peak-RSS counter is reset right before the build (`clear_refs` 5), so the peak is
+    the build's own, not that of importing torch or joining the group. A tiny meta -> `to_empty`
+    first pays torch's one-time cost of that path (it imports sympy: ~40 MB, whatever the model).
+    """
+    torch.set_num_threads(1)
+    torch.nn.Linear(2, 2, device="meta").to_empty(device="cpu")
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = _status_kib()
+    model = build_model(shard_dir)
+    after = _status_kib()
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    return {
+        "rss_before": before["VmRSS"] * 1024,
+        "hwm_before": before["VmHWM"] * 1024,
+        "peak_increase": (after["VmHWM"] - before["VmRSS"]) * 1024,
+        "param_bytes": param_bytes,
+    }
+
+
+# --- in the test process --------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def global_slice(full: torch.Tensor, select: list[list[list[int]]]) -> torch.Tensor:
+    """The piece of `full` a rank holds: per dim, the concatenated [start, end) intervals of its
+    selection; indices past the end of a dim (tp padding) read as zeros."""
+    ends = [max(end for _, end in dim) for dim in select]
+    padded = full.new_zeros([max(e, s) for e, s in zip(ends, full.shape, strict=True)])
+    padded[tuple(slice(0, s) for s in full.shape)] = full
+    out = padded
+    for d, dim in enumerate(select):
+        index = torch.cat([torch.arange(a, b) for a, b in dim])
+        out = out.index_select(d, index)
+    return out
+
+
+def run_train(
+    shards: Path, tp: int, *, steps: int, save: Path, metrics: Path, lr: float, seq_len: int = 32,
+    batch_size: int = 4, timeout: float = 180.0,
+) -> subprocess.CompletedProcess[str]:
+    """`reshard.train.main` in this process (tp=1, no torchrun: stdout in the result), or
+    `python -m reshard.train` under `torch.distributed.run` (tp > 1)."""
+    args = ["--shards", str(shards), "--steps", str(steps), "--save", str(save),
+            "--metrics", str(metrics), "--seq-len", str(seq_len), "--batch-size", str(batch_size),
+            "--seed", "3", "--lr", str(lr), "--dtype", "float32", "--threads", "1"]
+    if tp == 1:
+        stdout = io.StringIO()
+        with contextlib.redirect_stdout(stdout):
+            rc = train_main(args)
+        assert rc == 0, f"tp=1 training failed ({rc}):\n{stdout.getvalue()}"
+        return subprocess.CompletedProcess(["reshard.train", *args], rc, stdout.getvalue(), "")
+    launcher = ["-m", "torch.distributed.run", "--nproc-per-node", str(tp), "--master-addr", "127.0.0.1",
+                "--master-port", str(free_port()), "-m", "reshard.train"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
+    proc = subprocess.run([PYTHON, *launcher, *args], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+    assert proc.returncode == 0, f"tp={tp} training failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+    return proc
+
+
+def rank_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """The tensors of one rank file."""
+    with safe_open(str(path), "pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}
