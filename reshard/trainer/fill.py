@@ -128,7 +128,10 @@ def fill_parameters(
 
 
 def file_chunks(path: Path, start: int = 0, chunk: int = 8 << 20) -> Iterator[bytes]:
+    """A file's bytes; the first read is small, so taking the header off it copies little."""
     with open(path, "rb") as f:
         f.seek(start)
-        while data := f.read(chunk):
+        size = 1 << 20
+        while data := f.read(size):
             yield data
+            size = chunk
