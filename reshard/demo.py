@@ -17,18 +17,16 @@ import sys
 import time
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import Any
-
-import httpx
-import torch
-from safetensors import safe_open
+from typing import TYPE_CHECKING, Any
 
 from reshard.errors import ReshardError
+
+if TYPE_CHECKING:
+    import torch
 from reshard.format import Checkpoint
 from reshard.merge import merge
 from reshard.progress import human
 from reshard.shards import ShardSet
-from reshard.synth import make_checkpoint, preset_config
 
 NAME = "demo-llama"
 
@@ -68,6 +66,8 @@ def process(cmd: list[str], *, what: str, log: Path | None = None, env: dict[str
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float = 60.0) -> None:
+    import httpx
+
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -83,6 +83,8 @@ def wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float = 6
 
 def place(full: torch.Tensor, local: torch.Tensor, select: Any) -> None:
     """Put a rank's piece (global indices `select`, padding past the end dropped) into `full`."""
+    import torch
+
     index = []
     for d, dim in enumerate(select):
         idx = torch.cat([torch.arange(a, b) for a, b in dim])
@@ -98,6 +100,9 @@ def place(full: torch.Tensor, local: torch.Tensor, select: Any) -> None:
 def verify_merge(original: Path, trained: Path, merged: Path) -> int:
     """Independent check: every merged tensor equals the trained rank pieces put together with torch,
     and names, shapes and the config match the original checkpoint. Returns the tensor count."""
+    import torch
+    from safetensors import safe_open
+
     src, out = Checkpoint.open(original), Checkpoint.open(merged)
     if set(src.tensors) != set(out.tensors):
         raise DemoError(f"merged names differ from the original: {sorted(set(src.tensors) ^ set(out.tensors))[:3]}")
@@ -149,6 +154,10 @@ def save_png(values: list[float], path: Path) -> Path | None:
 
 
 def run_demo(workdir: Path, *, steps: int, tp: int, preset: str, seq_len: int, batch_size: int) -> dict[str, Any]:
+    import torch
+
+    from reshard.synth import make_checkpoint, preset_config
+
     workdir = workdir.resolve()
     ckpt_root = workdir / "checkpoints"
     ckpt = ckpt_root / NAME

@@ -12,27 +12,20 @@ A new kind is one decorated function in any imported module.
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-import torch
-
 from reshard.errors import PlanError, RegistryError
 
 if TYPE_CHECKING:
+    import torch
+
     from reshard.manifest import Rule
 
 Interval = tuple[int, int]
 Selection = tuple[tuple[Interval, ...], ...]
 
-TORCH_DTYPES: dict[str, torch.dtype] = {
-    "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32,
-    "I64": torch.int64, "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32,
-    "F64": torch.float64, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-    "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64,
-}
 
 
 def full_selection(shape: Sequence[int]) -> Selection:
@@ -101,6 +94,8 @@ class SliceLoader:
 
     def load(self, handle: Any, rank: int, world_size: int) -> torch.Tensor:
         """Read this rank's piece from a `safe_open(...).get_slice(name)` handle."""
+        from reshard.tensors import TORCH_DTYPES, read_selection  # torch only when loading
+
         shape = tuple(handle.get_shape())
         sel = self.select(shape, rank, world_size)
         return read_selection(lambda idx: handle[idx], sel, shape, TORCH_DTYPES[handle.get_dtype()])
@@ -108,26 +103,6 @@ class SliceLoader:
     def __repr__(self) -> str:
         fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
         return f"{type(self).__name__}({fields})"
-
-
-def read_selection(
-    fetch: Callable[[tuple[slice, ...]], torch.Tensor], sel: Selection, shape: tuple[int, ...], dtype: torch.dtype
-) -> torch.Tensor:
-    """Assemble a selection from `fetch(slices)` calls, one per block; padding reads as zeros."""
-    out = torch.zeros(selection_shape(sel), dtype=dtype)
-    starts = [list(itertools.accumulate((b - a for a, b in dim), initial=0)) for dim in sel]
-    for combo in itertools.product(*(range(len(dim)) for dim in sel)):
-        src, dst = [], []
-        for d, i in enumerate(combo):
-            a, b = sel[d][i]
-            hi = min(b, shape[d])
-            if hi <= a:
-                break
-            src.append(slice(a, hi))
-            dst.append(slice(starts[d][i], starts[d][i] + hi - a))
-        else:
-            out[tuple(dst)] = fetch(tuple(src))
-    return out
 
 
 class ReplicateLoader(SliceLoader):

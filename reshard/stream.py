@@ -20,7 +20,7 @@ from reshard.plan import RankPlan, Segment
 
 CHUNK = 8 << 20
 _DIRECT_RUN = 256 << 10  # runs at least this long are read straight into the output
-_SCRATCH = 16 << 20
+_SCRATCH = 8 << 20
 
 
 class RankStream:
@@ -88,6 +88,22 @@ class RankStream:
             self.read_into(pos, out)
             pos += n
             yield out
+
+    def spans(self) -> Iterator[tuple[int, int, tuple[int, int] | None]]:
+        """(output offset, length, source) for every piece of the file in order; `source` is
+        (fd, offset) when the piece is one contiguous range of a source file (a sink may copy it in
+        the kernel), else None (read it with `read_into`)."""
+        for start, piece in zip(self._starts, self._pieces):
+            if isinstance(piece, bytes):
+                yield start, len(piece), None
+            elif piece.file is not None and (piece.count == 1 or piece.stride == piece.run):
+                yield start, piece.nbytes, (self._fds[piece.file], piece.offset)
+            else:
+                yield start, piece.nbytes, None
+
+    def check_unchanged(self) -> None:
+        """Raise `SourceChangedError` if a source file changed since the stream opened."""
+        self._check_unchanged()
 
     def read_into(self, pos: int, out: memoryview) -> None:
         """Fill `out` with the stream's bytes starting at `pos`."""

@@ -18,7 +18,7 @@ import torch
 
 from reshard.errors import HeaderError, IntegrityError, PlanError
 from reshard.format import MAX_HEADER_BYTES, parse_header
-from reshard.loaders import TORCH_DTYPES
+from reshard.tensors import TORCH_DTYPES
 
 
 class RankHeader:

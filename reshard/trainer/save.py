@@ -11,12 +11,10 @@ from torch import nn
 
 from reshard.errors import PlanError
 from reshard.format import CONFIG_NAME, DTYPE_SIZES, encode_header
-from reshard.loaders import TORCH_DTYPES
 from reshard.plan import data_order, rank_file_name, rank_metadata
+from reshard.tensors import DTYPE_NAMES
 from reshard.trainer.fill import RankHeader
 from reshard.writer import MANIFEST_NAME, atomic_file, write_json_atomic
-
-DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
 
 
 def save_rank_shard(model: nn.Module, out_dir: str | Path, *, config: dict | None = None) -> Path:
