@@ -35,6 +35,7 @@ import httpx
 from reshard import errors
 from reshard.errors import IntegrityError, NotFoundError, ReshardError
 from reshard.progress import Progress, human
+from reshard.writer import fsync_dir
 
 TOKEN_ENV = "RESHARD_TOKEN"
 SHA_HEADER = "x-reshard-sha256"
@@ -164,7 +165,7 @@ class ShardClient:
         os.replace(part, dest)
         with contextlib.suppress(FileNotFoundError):
             meta.unlink()
-        _fsync_dir(dest.parent)
+        fsync_dir(dest.parent)
         return {"path": str(dest), "rank": rank, "tp": tp, "size": head.size, "sha256": sha.hexdigest(),
                 "etag": head.etag, "resumed_from": start}
 
@@ -346,14 +347,6 @@ def _read_meta(path: Path) -> Any:
         return json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def cmd_pull(args: argparse.Namespace) -> int:

@@ -225,7 +225,8 @@ def write_rank_file(plan: RankPlan, path: Path, *, on_bytes: Callable[[int], Non
 
 
 def write_shards(
-    ckpt: Source, plan: Plan, out_dir: str | os.PathLike[str], *, progress: bool | None = None
+    ckpt: Source, plan: Plan, out_dir: str | os.PathLike[str], *, progress: bool | None = None,
+    on_bytes: Callable[[int], None] | None = None,
 ) -> dict[str, Any]:
     """Write every rank in `plan` to `out_dir`, then `reshard.json` (merged with an earlier run of the same plan).
 
@@ -236,12 +237,18 @@ def write_shards(
     remove_stale_temps(out)
     bar = Progress(sum(r.size for r in plan.ranks), "write", enabled=progress)
     record = _load_record(out / MANIFEST_NAME, plan.digest)
+
+    def done(n: int) -> None:
+        bar.update(n)
+        if on_bytes is not None:
+            on_bytes(n)
+
     pending: list[tuple[str, RankPlan, Future[str]]] = []
     with ThreadPoolExecutor(2) as pool:
         try:
             for rp in plan.ranks:
                 name = rank_file_name(rp.rank, rp.tp)
-                tmp, fd, hasher = _start(rp, out / name, bar.update)
+                tmp, fd, hasher = _start(rp, out / name, done)
                 pending.append((name, rp, pool.submit(_finish, tmp, fd, hasher, out / name)))
         finally:
             results = [(name, rp, fut.exception() or fut.result()) for name, rp, fut in pending]

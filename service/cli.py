@@ -1,0 +1,61 @@
+"""`reshard serve --root DIR [--host 127.0.0.1] [--port 8000] [--token TOKEN] [--out DIR]` on uvicorn.
+
+Every setting can also come from a `RESHARD_*` environment variable; flags override them.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from reshard.errors import ReshardError
+
+
+def _settings(args: argparse.Namespace) -> Any:
+    from pydantic import ValidationError
+
+    from service.settings import Settings
+
+    flags = {
+        "root": args.root, "host": args.host, "port": args.port, "token": args.token, "out": args.out,
+        "max_upload_bytes": args.max_upload_bytes, "chunk_size": args.chunk_size, "log_level": args.log_level,
+        "public_docs": args.public_docs,
+    }
+    try:
+        return Settings(**{k: v for k, v in flags.items() if v is not None})
+    except ValidationError as e:
+        problems = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'settings'}: {err['msg']}" for err in e.errors())
+        raise ReshardError(f"serve: {problems} (flags or RESHARD_* environment variables)") from None
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from service.app import create_app
+
+    settings = _settings(args)
+    app = create_app(settings)
+    uvicorn.run(
+        app, host=settings.host, port=settings.port, log_level=settings.log_level,
+        access_log=not args.no_access_log, timeout_keep_alive=30,
+    )
+    return 0
+
+
+def add_commands(sub: Any) -> None:
+    p = sub.add_parser("serve", help="serve rank shards of the checkpoints under a root over HTTP",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--root", help="directory whose subdirectories are checkpoints (env RESHARD_ROOT)")
+    p.add_argument("--host", help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="port (default 8000)")
+    p.add_argument("--token", help="require `Authorization: Bearer TOKEN` everywhere but /healthz")
+    p.add_argument("--out", help="directory for write jobs (default ROOT/.reshard/out)")
+    p.add_argument("--max-upload-bytes", type=int, help="largest accepted upload")
+    p.add_argument("--chunk-size", type=int, help="bytes per streamed chunk (default 4 MiB)")
+    p.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug", "trace"])
+    p.add_argument("--public-docs", action="store_true", default=None, help="/docs without the token")
+    p.add_argument("--no-access-log", action="store_true", help="do not log every request")
+    p.set_defaults(func=cmd_serve)
+
+
+__all__ = ["ReshardError", "add_commands", "cmd_serve"]

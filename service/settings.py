@@ -1,0 +1,55 @@
+"""Service settings: environment variables `RESHARD_*`, overridden by the flags of `reshard serve`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+MiB = 1 << 20
+
+
+class Settings(BaseSettings):
+    """Everything the app reads at start-up; `create_app(settings)` keeps it on `app.state.settings`."""
+
+    model_config = SettingsConfigDict(env_prefix="RESHARD_", extra="ignore", frozen=True)
+
+    root: Path = Field(description="directory whose subdirectories are the checkpoints served")
+    host: str = Field("127.0.0.1", description="address `reshard serve` binds")
+    port: int = Field(8000, ge=0, le=65535, description="port `reshard serve` binds (0: any free port)")
+    token: SecretStr | None = Field(None, description="bearer token required by every endpoint but /healthz")
+    out: Path | None = Field(None, description="where jobs write rank files; default ROOT/.reshard/out")
+    public_docs: bool = Field(False, description="serve /docs and /openapi.json without the token")
+    max_upload_bytes: int = Field(64 << 30, ge=1, description="largest accepted upload (413 above it)")
+    max_body_bytes: int = Field(1 * MiB, ge=1, description="largest JSON request body (manifests, jobs)")
+    chunk_size: int = Field(4 * MiB, ge=64 << 10, le=256 * MiB, description="bytes per streamed chunk")
+    io_threads: int = Field(32, ge=1, le=1024, description="threads reading shard bytes for all streams")
+    job_workers: int = Field(1, ge=1, le=64, description="background write jobs run at once")
+    max_jobs_kept: int = Field(1000, ge=1, description="finished jobs remembered for GET /v1/jobs/{id}")
+    checkpoint_cache: int = Field(64, ge=1, description="parsed checkpoints kept in memory")
+    plan_cache: int = Field(1024, ge=1, description="rank plans kept in memory")
+    digest_cache: int = Field(4096, ge=1, description="shard sha256 digests kept in memory (by ETag)")
+    log_level: str = Field("info", description="uvicorn log level")
+
+    @field_validator("root")
+    @classmethod
+    def _root_is_dir(cls, v: Path) -> Path:
+        v = Path(v).expanduser()
+        if not v.is_dir():
+            raise ValueError(f"root {v} is not a directory")
+        return v.resolve()
+
+    @field_validator("token")
+    @classmethod
+    def _empty_token_is_none(cls, v: SecretStr | None) -> SecretStr | None:
+        return None if v is None or not v.get_secret_value() else v
+
+    @property
+    def state_dir(self) -> Path:
+        """Service-owned files (stored manifests, default job output) live in ROOT/.reshard."""
+        return self.root / ".reshard"
+
+    @property
+    def out_dir(self) -> Path:
+        return (self.out.expanduser().resolve() if self.out is not None else self.state_dir / "out")

@@ -1,0 +1,223 @@
+"""Rank shard bytes over HTTP: a raw ASGI response on top of `RankStream`, ranges, ETags, digests.
+
+The body is produced by the same `RankStream` that `reshard write` uses, so the bytes are identical.
+A reader thread fills the next chunk while the event loop sends the current one; each chunk is a
+fresh buffer handed to the server, so a transport that keeps a reference to an unsent chunk (uvloop)
+never sees it overwritten. Memory per stream is about three chunks. The stream watches for the
+client's `http.disconnect`; when it comes, the reader stops after its current
+chunk and the source files are closed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import re
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import anyio.lowlevel
+import anyio.to_thread
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from reshard.errors import ReshardError
+from reshard.plan import RankPlan
+from reshard.stream import RankStream
+from service.catalog import LRU
+from service.errors import RangeNotSatisfiable, response_for, served_root
+from service.metrics import ServiceMetrics
+
+log = logging.getLogger("reshard.service")
+
+SHA_HEADER = "X-Reshard-Sha256"
+_RANGE_RE = re.compile(r"^\s*bytes\s*=\s*(\d*)\s*-\s*(\d*)\s*$")
+
+
+def shard_etag(plan_digest: str, rank: int) -> str:
+    """Strong ETag: the plan digest covers source identity, manifest and tp; the rank is added."""
+    return f'"{plan_digest[:40]}-r{rank}"'
+
+
+def parse_range(header: str | None, size: int) -> tuple[int, int] | None:
+    """A single `bytes=a-b`, `a-` or `-n` range as a half-open [start, end); None for the whole body.
+
+    Malformed or multi-range headers are ignored (RFC 9110 allows answering 200 with everything);
+    a range starting at or past the end raises `RangeNotSatisfiable` (416).
+    """
+    if not header:
+        return None
+    m = _RANGE_RE.match(header)
+    if m is None or (not m.group(1) and not m.group(2)):
+        return None
+    first, last = m.group(1), m.group(2)
+    if not first:  # suffix: the last n bytes
+        n = int(last)
+        if n == 0:
+            raise RangeNotSatisfiable(f"Range {header!r}: an empty suffix; the shard has {size} bytes", size=size)
+        return (max(size - n, 0), size)
+    start = int(first)
+    end = size if not last else min(int(last) + 1, size)
+    if last and int(last) < start:
+        return None  # invalid range: ignored
+    if start >= size:
+        raise RangeNotSatisfiable(f"Range {header!r} starts at or past the end of the {size}-byte shard", size=size)
+    return (start, end)
+
+
+def etag_matches(header: str | None, etag: str) -> bool:
+    """`If-None-Match` / `If-Range` comparison (weak comparison for If-None-Match per RFC 9110)."""
+    if not header:
+        return False
+    if header.strip() == "*":
+        return True
+    return any(tag.strip().removeprefix("W/") == etag for tag in header.split(","))
+
+
+class DigestCache:
+    """sha256 of a shard by ETag, computed at most once at a time per ETag, kept in an LRU."""
+
+    def __init__(self, maxsize: int) -> None:
+        self._cache: LRU[str, str] = LRU(maxsize)
+        self._locks: dict[str, threading.Lock] = {}
+        self._guard = threading.Lock()
+
+    def get(self, etag: str) -> str | None:
+        return self._cache.get(etag)
+
+    def put(self, etag: str, sha256: str) -> None:
+        self._cache.put(etag, sha256)
+
+    def compute(self, etag: str, plan: RankPlan, *, chunk_size: int) -> tuple[str, bool]:
+        """(sha256, was cached); blocking: call from a worker thread."""
+        hit = self._cache.get(etag)
+        if hit is not None:
+            return hit, True
+        with self._guard:
+            lock = self._locks.setdefault(etag, threading.Lock())
+        with lock:
+            hit = self._cache.get(etag)
+            if hit is not None:
+                return hit, True
+            sha = hashlib.sha256()
+            with RankStream(plan, chunk_size=chunk_size) as stream:
+                for view in stream.chunks(reuse=True):
+                    sha.update(view)
+            digest = sha.hexdigest()
+            self._cache.put(etag, digest)
+        with self._guard:
+            self._locks.pop(etag, None)
+        return digest, False
+
+
+@dataclass
+class StreamContext:
+    """What a shard response needs from the app: metrics, chunk size and the reader-thread limit."""
+
+    metrics: ServiceMetrics
+    chunk_size: int
+    threads: int
+    _limiter: anyio.CapacityLimiter | None = None
+    _loop: Any = None
+
+    def limiter(self) -> anyio.CapacityLimiter:
+        """One limiter per event loop (TestClient may run several loops over one app)."""
+        loop = anyio.lowlevel.current_token()
+        if self._limiter is None or self._loop != loop:
+            self._limiter, self._loop = anyio.CapacityLimiter(self.threads), loop
+        return self._limiter
+
+
+class ShardResponse(Response):
+    """The bytes [start, end) of one rank file, streamed; HEAD sends the headers only."""
+
+    media_type = "application/octet-stream"
+
+    def __init__(self, plan: RankPlan, *, ctx: StreamContext, start: int = 0, end: int | None = None,
+                 status_code: int = 200, headers: dict[str, str] | None = None, head: bool = False) -> None:
+        self.plan, self.ctx, self.head = plan, ctx, head
+        self.start, self.end = start, plan.size if end is None else end
+        self.status_code = status_code
+        self.background = None
+        self.body = b""
+        self.init_headers({**(headers or {}), "Content-Length": str(self.end - self.start)})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.head or self.start == self.end:
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            return
+        try:  # open (and check) the sources before the status line, so failures still get a JSON answer
+            stream = await anyio.to_thread.run_sync(
+                lambda: RankStream(self.plan, chunk_size=self.ctx.chunk_size), limiter=self.ctx.limiter())
+        except ReshardError as e:
+            await response_for(e, hide=served_root(scope.get("app")))(scope, receive, send)
+            return
+        m = self.ctx.metrics
+        m.active_streams.inc()
+        t0 = time.monotonic()
+        outcome = "error"
+        try:
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            outcome = await self._body(stream, receive, send)
+        finally:
+            stream.close()  # the reader thread has returned: cancellation waits for it
+            m.active_streams.dec()
+            m.streams.inc(1, outcome)
+            m.stream_seconds.observe(time.monotonic() - t0)
+
+    async def _body(self, stream: RankStream, receive: Receive, send: Send) -> str:
+        """Send the body; return 'complete', 'disconnected' or 'error' (then the body is cut short)."""
+        m, chunk = self.ctx.metrics, self.ctx.chunk_size
+        state: dict[str, Any] = {"outcome": "disconnected", "error": None}
+        send_q, recv_q = anyio.create_memory_object_stream[bytearray](1)
+
+        def read(pos: int, n: int) -> bytearray:
+            buf = bytearray(n)
+            stream.read_into(pos, memoryview(buf))
+            return buf
+
+        async def produce(cancel: Callable[[], Any]) -> None:
+            async with send_q:
+                pos = self.start
+                try:
+                    while pos < self.end:
+                        n = min(chunk, self.end - pos)
+                        buf = await anyio.to_thread.run_sync(read, pos, n, limiter=self.ctx.limiter())
+                        await send_q.send(buf)
+                        pos += n
+                except ReshardError as e:  # e.g. a source file changed under the stream
+                    state["error"] = e
+                    cancel()
+
+        async def consume(cancel: Callable[[], Any]) -> None:
+            async with recv_q:
+                async for buf in recv_q:
+                    await send({"type": "http.response.body", "body": buf, "more_body": True})
+                    m.bytes_served.inc(len(buf))
+            if state["error"] is not None:
+                return
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            state["outcome"] = "complete"
+            cancel()
+
+        async def watch(cancel: Callable[[], Any]) -> None:
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    cancel()
+                    return
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(produce, tg.cancel_scope.cancel)
+            tg.start_soon(consume, tg.cancel_scope.cancel)
+            tg.start_soon(watch, tg.cancel_scope.cancel)
+        if state["error"] is not None:
+            # after the status line all we can do is cut the body short; the client sees a short read
+            log.warning("shard rank %d of tp=%d cut short: %s", self.plan.rank, self.plan.tp, state["error"])
+            return "error"
+        return state["outcome"]

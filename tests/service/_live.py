@@ -1,0 +1,224 @@
+"""Helpers for tests against a real `reshard serve`: small checkpoints, a live server, a flaky proxy.
+
+    from _live import live_server, make_ckpt   # tests/service is on sys.path (like tests/_dist.py)
+
+    root = tmp_path / "root"
+    make_ckpt(root / "tiny")                             # llama-like, float32, ~0.4 MB
+    with live_server(root, token="t", chunk_size=1 << 20) as srv:
+        srv.url                                          # http://127.0.0.1:PORT
+        srv.ckpt_url("tiny")                             # .../v1/checkpoints/tiny
+        srv.rss(), srv.peak_rss()                        # server memory, bytes
+
+`live_server` runs `python -m reshard.cli serve` in a subprocess on a free port (settings other than
+root/host/port/token/out go through `RESHARD_*` environment variables), waits for /healthz and
+terminates the server afterwards; its log is at `srv.log_path`. `CuttingProxy` breaks connections
+after N bytes, for resume tests. conftest.py turns these into fixtures.
+"""
+
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import torch
+
+from reshard.synth import llama_config, make_checkpoint
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def make_ckpt(path: Path, *, model_type: str = "llama", dtype: torch.dtype = torch.float32, num_files: int = 1,
+              seed: int = 0, **config: Any) -> Path:
+    """A small HF checkpoint directory (config.json + safetensors) with random weights."""
+    return make_checkpoint(path, llama_config(model_type=model_type, **config), dtype=dtype,
+                           num_files=num_files, seed=seed)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _status_kib(pid: int, field: str) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise KeyError(field)
+
+
+@dataclass
+class LiveServer:
+    url: str
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+    token: str | None = None
+
+    def ckpt_url(self, name: str) -> str:
+        return f"{self.url}/v1/checkpoints/{name}"
+
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.token}"} if self.token else {}
+
+    def rss(self) -> int:
+        return _status_kib(self.proc.pid, "VmRSS") * 1024
+
+    def peak_rss(self) -> int:
+        return _status_kib(self.proc.pid, "VmHWM") * 1024
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+
+@contextlib.contextmanager
+def live_server(root: Path, *, token: str | None = None, out: Path | None = None, log_dir: Path | None = None,
+                startup_timeout: float = 60.0, **settings: Any) -> Iterator[LiveServer]:
+    """`reshard serve --root ROOT` on 127.0.0.1:free port until the block ends."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RESHARD_")}
+    env.update({f"RESHARD_{k.upper()}": str(v) for k, v in settings.items()})
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    log_dir = log_dir or Path(root).parent
+    for _attempt in range(3):
+        port = free_port()
+        cmd = [sys.executable, "-m", "reshard.cli", "serve", "--root", str(root), "--host", "127.0.0.1",
+               "--port", str(port), "--log-level", "warning", "--no-access-log"]
+        if token:
+            cmd += ["--token", token]
+        if out:
+            cmd += ["--out", str(out)]
+        log_path = log_dir / f"server-{port}.log"
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+        srv = LiveServer(f"http://127.0.0.1:{port}", proc, log_path, token)
+        if _wait_healthy(srv, startup_timeout):
+            break
+        _stop(proc)
+        if "address already in use" not in srv.log():
+            raise RuntimeError(f"reshard serve did not start:\n{srv.log()}")
+    else:
+        raise RuntimeError("reshard serve: no free port after 3 tries")
+    try:
+        yield srv
+    finally:
+        _stop(proc)
+
+
+def _wait_healthy(srv: LiveServer, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not srv.alive():
+            return False
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(srv.url + "/healthz", timeout=1.0).status_code == 200:
+                return True
+        time.sleep(0.1)
+    return False
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+# --- shared checkpoints ---------------------------------------------------------------------------
+
+# name -> (make_ckpt kwargs, tp values it plans for)
+SMALL_CKPTS: dict[str, tuple[dict[str, Any], tuple[int, ...]]] = {
+    # column / row / vocab_embed padded (vocab 250 is not a multiple of 4) / replicate norms, float32
+    "llama": ({"vocab_size": 250, "num_key_value_heads": 4}, (1, 2, 4)),
+    # bfloat16, q/k/v biases, three files + index.json, GQA (2 kv heads)
+    "qwen2": ({"model_type": "qwen2", "dtype": torch.bfloat16, "num_files": 3}, (1, 2)),
+    # packed_column (fused qkv_proj and gate_up_proj)
+    "phi3": ({"model_type": "phi3", "num_key_value_heads": 4}, (1, 2, 4)),
+}
+BIG = "big"  # ~56 MB float32: 28 MB column-split shards at tp=2
+
+
+class CuttingProxy:
+    """A TCP proxy to `upstream` (host, port) that breaks its first `cuts` connections after relaying
+    `cut_after` response bytes: a flaky network, for resume tests. Records every request head."""
+
+    def __init__(self, upstream: tuple[str, int], *, cut_after: int, cuts: int = 1) -> None:
+        self.upstream, self.cut_after, self.cuts = upstream, cut_after, cuts
+        self.requests: list[bytes] = []
+        self.on_cut: Any = None  # called after each cut, before the client can reconnect
+        self._sock = socket.socket()
+        self._sock.bind(("127.0.0.1", 0))
+        self._sock.listen(16)
+        self.port = self._sock.getsockname()[1]
+        self._threads: list[threading.Thread] = []
+        self._closing = False
+        t = threading.Thread(target=self._accept, daemon=True)
+        t.start()
+        self._threads.append(t)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> CuttingProxy:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._closing = True
+        self._sock.close()
+
+    def _accept(self) -> None:
+        while not self._closing:
+            try:
+                client, _ = self._sock.accept()
+            except OSError:
+                return
+            cut = self.cuts > 0
+            self.cuts -= 1
+            threading.Thread(target=self._serve, args=(client, cut), daemon=True).start()
+
+    def _serve(self, client: socket.socket, cut: bool) -> None:
+        up = socket.create_connection(self.upstream)
+
+        def upstream_pump() -> None:
+            with contextlib.suppress(OSError):
+                while data := client.recv(65536):
+                    if data[:4] in (b"GET ", b"HEAD", b"PUT ", b"POST"):
+                        self.requests.append(data.split(b"\r\n\r\n")[0])
+                    up.sendall(data)
+            with contextlib.suppress(OSError):
+                up.shutdown(socket.SHUT_WR)
+
+        threading.Thread(target=upstream_pump, daemon=True).start()
+        sent = 0
+        with contextlib.suppress(OSError):
+            while data := up.recv(65536):
+                if cut and sent + len(data) >= self.cut_after:
+                    client.sendall(data[: self.cut_after - sent])
+                    if self.on_cut is not None:
+                        self.on_cut()  # before the client can notice the cut and reconnect
+                    break
+                client.sendall(data)
+                sent += len(data)
+        for s in (client, up):  # shutdown wakes the other thread's recv; close alone would not
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+            with contextlib.suppress(OSError):
+                s.close()
