@@ -196,7 +196,7 @@ def run_demo(workdir: Path, *, steps: int, tp: int, preset: str, seq_len: int, b
     per_rank = metrics["shard_bytes_per_rank"]
     for r, n in enumerate(per_rank):
         print(f"    rank {r} pulled {human(n)} = {n / full_bytes:.1%} of the {human(full_bytes)} checkpoint")
-    print(f"    time to first step: {metrics['time_to_first_step_s']:.2f} s (model built and filled in {metrics['load_s']:.2f} s)")
+    print(f"    time to first step: {metrics['time_to_first_step_s']:.2f} s (launch to model filled: {metrics['load_s']:.2f} s)")
     print(f"    loss: first {losses[0]:.4f}, last {losses[-1]:.4f} over {len(losses)} steps")
     print(ascii_plot(losses))
     print(f"    merged checkpoint verified: {count} tensors, in {merged}")
