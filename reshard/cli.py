@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from reshard.errors import ReshardError
 
 # modules that define `add_commands(subparsers)`; each command sets `func(args) -> int`
-COMMAND_MODULES = ("reshard.commands", "reshard.merge", "reshard.client", "service.cli", "reshard.demo")
+COMMAND_MODULES = ("reshard.commands", "reshard.merge", "service.cli", "reshard.demo")
 
 
 def build_parser() -> argparse.ArgumentParser:

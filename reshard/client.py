@@ -15,13 +15,11 @@ length and the sha256 (from the server's digest) are checked.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import hashlib
 import json
 import os
 import re
-import sys
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -34,7 +32,7 @@ import httpx
 
 from reshard import errors
 from reshard.errors import IntegrityError, NotFoundError, ReshardError
-from reshard.progress import Progress, human
+from reshard.progress import Progress
 from reshard.writer import fsync_dir
 
 TOKEN_ENV = "RESHARD_TOKEN"
@@ -347,29 +345,3 @@ def _read_meta(path: Path) -> Any:
         return json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-
-
-def cmd_pull(args: argparse.Namespace) -> int:
-    with ShardClient(args.url, token=args.token, retries=args.retries, rules=args.rules) as client:
-        out = args.out or f"rank-{args.rank:05d}-of-{args.tp:05d}.safetensors"
-        result = client.pull(args.rank, args.tp, out, progress=args.progress, resume=not args.no_resume)
-    resumed = f", resumed at {human(result['resumed_from'])}" if result["resumed_from"] else ""
-    print(f"pulled rank {args.rank} of tp={args.tp}: {human(result['size'])}{resumed}, "
-          f"sha256 {result['sha256'][:16]}... -> {result['path']}", file=sys.stderr)
-    return 0
-
-
-def add_commands(sub: Any) -> None:
-    p = sub.add_parser("pull", help="download one rank shard from `reshard serve` (resumable, verified)")
-    p.add_argument("url", help="checkpoint URL, http://HOST:PORT/v1/checkpoints/NAME")
-    p.add_argument("--rank", type=int, required=True)
-    p.add_argument("--tp", type=int, required=True)
-    p.add_argument("-o", "--out", help="output file (default rank-RRRRR-of-TTTTT.safetensors)")
-    p.add_argument("--token", help=f"bearer token (default ${TOKEN_ENV})")
-    p.add_argument("--rules", help="label of a manifest stored on the server")
-    p.add_argument("--retries", type=int, default=5, help="tries after a failure without progress (default 5)")
-    p.add_argument("--no-resume", action="store_true", help="ignore a partial download left by an earlier try")
-    g = p.add_mutually_exclusive_group()
-    g.add_argument("--progress", dest="progress", action="store_true", default=None, help="force the progress bar")
-    g.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
-    p.set_defaults(func=cmd_pull)

@@ -78,3 +78,32 @@ def add_commands(sub: Any) -> None:
     g.add_argument("--progress", dest="progress", action="store_true", default=None, help="force the progress bar")
     g.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     p.set_defaults(func=cmd_write)
+    _add_pull(sub)
+
+
+def cmd_pull(args: argparse.Namespace) -> int:
+    from reshard.client import ShardClient  # httpx only when pulling
+
+    with ShardClient(args.url, token=args.token, retries=args.retries, rules=args.rules) as client:
+        out = args.out or f"rank-{args.rank:05d}-of-{args.tp:05d}.safetensors"
+        result = client.pull(args.rank, args.tp, out, progress=args.progress, resume=not args.no_resume)
+    resumed = f", resumed at {human(result['resumed_from'])}" if result["resumed_from"] else ""
+    print(f"pulled rank {args.rank} of tp={args.tp}: {human(result['size'])}{resumed}, "
+          f"sha256 {result['sha256'][:16]}... -> {result['path']}", file=sys.stderr)
+    return 0
+
+
+def _add_pull(sub: Any) -> None:
+    p = sub.add_parser("pull", help="download one rank shard from `reshard serve` (resumable, verified)")
+    p.add_argument("url", help="checkpoint URL, http://HOST:PORT/v1/checkpoints/NAME")
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--tp", type=int, required=True)
+    p.add_argument("-o", "--out", help="output file (default rank-RRRRR-of-TTTTT.safetensors)")
+    p.add_argument("--token", help="bearer token (default $RESHARD_TOKEN)")
+    p.add_argument("--rules", help="label of a manifest stored on the server")
+    p.add_argument("--retries", type=int, default=5, help="tries after a failure without progress (default 5)")
+    p.add_argument("--no-resume", action="store_true", help="ignore a partial download left by an earlier try")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--progress", dest="progress", action="store_true", default=None, help="force the progress bar")
+    g.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    p.set_defaults(func=cmd_pull)

@@ -27,8 +27,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from reshard.errors import ManifestError
 from reshard.loaders import check_kind
 
@@ -113,6 +111,8 @@ class Manifest:
             text = path.read_text(encoding="utf-8")
         except OSError as e:
             raise ManifestError(f"{path}: cannot read rules file: {e.strerror}") from None
+        import yaml
+
         try:
             obj = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
         except (ValueError, yaml.YAMLError) as e:

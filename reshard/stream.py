@@ -13,8 +13,6 @@ import os
 from collections.abc import Iterator
 from types import TracebackType
 
-import numpy as np
-
 from reshard.errors import SourceChangedError
 from reshard.plan import RankPlan, Segment
 
@@ -118,7 +116,7 @@ class RankStream:
             if isinstance(piece, bytes):
                 dst[:] = piece[lo : lo + n]
             elif piece.file is None:
-                np.frombuffer(dst, np.uint8)[:] = 0
+                dst[:] = bytes(n)
             else:
                 self._read_segment(piece, lo, dst)
             done += n
@@ -156,6 +154,7 @@ class RankStream:
                 pos += n
                 continue
             # several whole small runs: read the span covering them once, gather with numpy
+            import numpy as np  # only strided (row-split) tensors need it
             k = min((end - pos) // run, max(1, (_SCRATCH - run) // stride + 1))
             span = (k - 1) * stride + run
             if self._scratch is None or len(self._scratch) < span:
