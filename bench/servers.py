@@ -1,0 +1,144 @@
+"""Servers for the service comparison: `reshard serve`, nginx (sendfile on) and a FastAPI FileResponse app.
+
+Each runs on 127.0.0.1 on a free port, as a child of the benchmark, and is stopped (by its own pid)
+when the comparison ends. nginx is installed with apt-get when it is missing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+from bench.compare_write import reshard_bin
+
+FILESERVER = "bench.fileserver:app"
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode} before answering {url}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status < 500:
+                    return
+        except urllib.error.HTTPError as e:
+            if e.code < 500:
+                return
+        except OSError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"server did not answer {url} within {timeout:.0f} s")
+
+
+@contextlib.contextmanager
+def server(argv: Sequence[str], ready_url: str, *, env: dict[str, str] | None = None,
+           log: Path | None = None) -> Iterator[subprocess.Popen[bytes]]:
+    """Start `argv`, wait until `ready_url` answers, yield the process; stop it afterwards."""
+    out = open(log, "wb") if log else subprocess.DEVNULL  # noqa: SIM115
+    proc = subprocess.Popen(list(argv), env={**os.environ, **(env or {})}, cwd=REPO, stdout=out,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        try:
+            wait_ready(ready_url, proc)
+        except RuntimeError as e:
+            tail = log.read_text(errors="replace")[-1500:] if log and log.exists() else ""
+            raise RuntimeError(f"{e}: {' '.join(argv)}\n{tail}") from None
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM if argv[0] != "nginx" and not argv[0].endswith("/nginx") else signal.SIGQUIT)
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if log:
+            out.close()
+
+
+def ensure_nginx() -> str:
+    """Path of the nginx binary, installing it with apt-get first if it is missing."""
+    found = shutil.which("nginx") or (os.path.exists("/usr/sbin/nginx") and "/usr/sbin/nginx")
+    if found:
+        return str(found)
+    print("bench: nginx is missing; installing it with apt-get", file=sys.stderr, flush=True)
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    subprocess.run(["apt-get", "update", "-qq"], check=True, env=env, stdout=subprocess.DEVNULL)
+    subprocess.run(["apt-get", "install", "-y", "-qq", "nginx"], check=True, env=env, stdout=subprocess.DEVNULL)
+    found = shutil.which("nginx") or "/usr/sbin/nginx"
+    _stop_packaged_nginx()
+    return found
+
+
+def _stop_packaged_nginx() -> None:
+    """The Debian package may start its own nginx on port 80; stop that one (by its pid file) if so."""
+    pid_file = Path("/run/nginx.pid")
+    with contextlib.suppress(OSError, ValueError):
+        os.kill(int(pid_file.read_text().strip()), signal.SIGQUIT)
+
+
+NGINX_CONF = """\
+daemon off;
+master_process on;
+worker_processes {workers};
+user root;
+pid {work}/nginx.pid;
+error_log {work}/nginx-error.log warn;
+events {{ worker_connections 256; }}
+http {{
+    access_log off;
+    sendfile on;
+    tcp_nopush on;
+    keepalive_timeout 30;
+    client_body_temp_path {work}/tmp;
+    proxy_temp_path {work}/tmp;
+    fastcgi_temp_path {work}/tmp;
+    uwsgi_temp_path {work}/tmp;
+    scgi_temp_path {work}/tmp;
+    types {{ application/octet-stream safetensors; }}
+    default_type application/octet-stream;
+    server {{
+        listen 127.0.0.1:{port};
+        root {root};
+        location / {{ }}
+    }}
+}}
+"""
+
+
+def nginx_argv(nginx: str, root: Path, work: Path, port: int, workers: int = 2) -> list[str]:
+    root, work = Path(root).resolve(), Path(work).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "tmp").mkdir(exist_ok=True)
+    conf = work / "nginx.conf"
+    conf.write_text(NGINX_CONF.format(work=work, root=root, port=port, workers=workers))
+    return [nginx, "-p", str(work), "-c", str(conf)]
+
+
+def reshard_serve_argv(root: Path, port: int) -> list[str]:
+    return [reshard_bin(), "serve", "--root", str(root), "--host", "127.0.0.1", "--port", str(port),
+            "--log-level", "warning", "--no-access-log"]
+
+
+def fileserver_argv(port: int) -> list[str]:
+    return [sys.executable, "-m", "uvicorn", FILESERVER, "--host", "127.0.0.1", "--port", str(port),
+            "--log-level", "warning", "--no-access-log"]

@@ -1,0 +1,62 @@
+"""Where each of the issue's targets stands, computed from one run's results."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bench.measure import median
+
+
+def find(results: dict[str, Any], title: str) -> dict[str, Any] | None:
+    return next((c for c in results.get("comparisons", []) if c["title"] == title), None)
+
+
+def pair_ratio(comp: dict[str, Any], a: str, b: str) -> float | None:
+    """Median over rounds of time(a) / time(b) within the same round."""
+    if comp is None or a not in comp["cases"] or b not in comp["cases"]:
+        return None
+    ra, rb = comp["cases"][a]["runs"], comp["cases"][b]["runs"]
+    return median(x["wall_s"] / y["wall_s"] for x, y in zip(ra, rb) if y["wall_s"] > 0)
+
+
+def _t(target: str, value: str, goal: str, met: bool | None) -> dict[str, Any]:
+    return {"target": target, "value": value, "goal": goal, "met": met}
+
+
+def evaluate(results: dict[str, Any]) -> list[dict[str, Any]]:
+    out = []
+    w = find(results, "write 1gb tp4")
+    r_cp = pair_ratio(w, "reshard write --tp 4", "cp -r") if w else None
+    out.append(_t("`reshard write --tp 4` vs `cp -r`, 1 GB", "-" if r_cp is None else f"{r_cp:.2f}x", "<= 1.3x",
+                  None if r_cp is None else r_cp <= 1.3))
+    for script in ("chunk", "slice"):
+        r = pair_ratio(w, "reshard write --tp 4", f"script {script}") if w else None
+        out.append(_t(f"`reshard write --tp 4` vs script {script}, 1 GB", "-" if r is None else f"{r:.2f}x",
+                      "< 1.0x", None if r is None else r < 1.0))
+    mem = results.get("memory", {}).get("peak_rss_anon_mib", {})
+    for size in ("1gb", "4gb"):
+        v = mem.get(size)
+        out.append(_t(f"peak RssAnon of `reshard write`, {size}", "-" if v is None else f"{v:.0f} MiB", "< 400 MiB",
+                      None if v is None else v < 400))
+    g = results.get("memory", {}).get("growth_1gb_to_4gb")
+    out.append(_t("peak RssAnon growth 1 GB -> 4 GB", "-" if g is None else f"{g * 100:+.1f}%", "< +10%",
+                  None if g is None else g < 0.10))
+    s = find(results, "serve 1 client, column rank")
+    r = pair_ratio(s, "reshard serve", "nginx") if s else None
+    out.append(_t("service throughput vs nginx, column-split rank, 1 client",
+                  "-" if r is None else f"{1 / r:.2f}x", ">= 0.8x", None if r is None else 1 / r >= 0.8))
+    t = find(results, "trainer start-up tp2")
+    r = pair_ratio(t, "http", "disk") if t else None
+    out.append(_t("time to first step, HTTP vs local shards (tp=2)", "-" if r is None else f"{r:.2f}x", "<= 1.3x",
+                  None if r is None else r <= 1.3))
+    rl = t.get("ratio_load") if t else None
+    out.append(_t("launch until parameters filled, HTTP vs local shards (stricter reading)",
+                  "-" if rl is None else f"{rl:.2f}x", "<= 1.3x", None if rl is None else rl <= 1.3))
+    if t and "bytes" in t:
+        b = t["bytes"]
+        ok = b.get("max_rank_fraction_of_full") is not None and b["max_rank_fraction_of_full"] < 1.0 and \
+            all(abs(x - b["expected_per_rank"]) <= 0.02 * b["expected_per_rank"] for x in b["http_per_rank"])
+        out.append(_t("bytes per rank over HTTP", ", ".join(f"{x / 1e6:.0f} MB" for x in b["http_per_rank"])
+                      + f" (expected {b['expected_per_rank'] / 1e6:.0f} MB, full {b['full'] / 1e6:.0f} MB)",
+                      "~ 1/tp of sharded + replicated, never full", ok))
+    return out

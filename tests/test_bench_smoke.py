@@ -1,0 +1,85 @@
+"""Smoke test of the benchmark harness on a tiny checkpoint: results JSON, chart and table, no timings asserted."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from bench import data
+from bench.baselines import chunk_script, slice_script
+from bench.compare_write import memory_summary, write_cases
+from bench.interleave import interleave
+from bench.measure import run_command
+from bench.report import save
+from bench.targets import evaluate
+
+MiB = 1 << 20
+
+
+def test_sampler_sums_rss_anon_over_the_process_tree() -> None:
+    alloc = "import time; b = bytearray(48 << 20); b[::4096] = b'x' * len(b[::4096]); time.sleep(0.4)"
+    one = run_command("one", [sys.executable, "-c", alloc])
+    two = run_command("two", ["sh", "-c", f'"{sys.executable}" -c "{alloc}" & "{sys.executable}" -c "{alloc}"; wait'])
+    assert one.returncode == 0 and one.samples > 3
+    assert 48 * MiB <= one.peak_rss_anon < 200 * MiB
+    assert two.peak_rss_anon >= 96 * MiB
+
+
+def test_failed_command_raises_with_its_stderr() -> None:
+    with pytest.raises(RuntimeError, match="boom"):
+        run_command("bad", [sys.executable, "-c", "import sys; sys.exit('boom')"])
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_baseline_scripts_write_the_same_tensors_as_reshard(tmp_path: Path, tp: int) -> None:
+    from reshard.plan import make_plan
+    from reshard.source import open_source
+    from reshard.writer import write_shards
+
+    src = data.checkpoint("tiny", root=tmp_path)
+    ckpt, manifest = open_source(src)
+    write_shards(ckpt, make_plan(ckpt, manifest, tp), tmp_path / "reshard", progress=False)
+    for method, script in (("chunk", chunk_script), ("slice", slice_script)):
+        out = tmp_path / method
+        out.mkdir()
+        script(src, out, tp)
+        for rank in range(tp):
+            name = f"rank-{rank:05d}-of-{tp:05d}.safetensors"
+            ours, theirs = load_file(tmp_path / "reshard" / name), load_file(out / name)
+            assert set(ours) == set(theirs)
+            for k in ours:
+                assert torch.equal(ours[k], theirs[k]), (method, rank, k)
+
+
+def test_interleaved_write_comparison_produces_results(tmp_path: Path) -> None:
+    src = data.checkpoint("tiny", root=tmp_path / "data")
+    assert (src / "model.safetensors.index.json").exists()
+    cases = write_cases(src, tmp_path / "work", 2, scripts=False)
+    res = interleave("write tiny tp2", cases, reps=2, warmup=0, baseline="cp -r", log=lambda s: None)
+    res.update(checkpoint="1gb", checkpoint_bytes=data.weight_bytes(src), tp=4)
+    assert res["baseline"] == "cp -r"
+    assert set(res["cases"]) == {"cp -r", "reshard write --tp 2"}
+    for case in res["cases"].values():
+        assert len(case["runs"]) == 2
+        assert {"median_s", "ratio_to_baseline", "peak_rss_anon_mib", "runs", "argv"} <= set(case)
+        assert case["median_s"] > 0
+    assert res["cases"]["cp -r"]["ratio_to_baseline"] == 1.0
+    assert res["cases"]["reshard write --tp 2"]["peak_rss_anon_mib"] > 1  # a python process, not a no-op
+    assert not (tmp_path / "work" / "reshard-tp2").exists()  # outputs are removed after each run
+
+    results = {"meta": {"mode": "smoke", "date": "today", "machine": "test", "reps": 2},
+               "comparisons": [res], "memory": memory_summary([res])}
+    results["targets"] = evaluate(results)
+    paths = save(results, tmp_path / "results")
+    loaded = json.loads(paths["json"].read_text())
+    assert {"meta", "comparisons", "memory", "targets"} <= set(loaded)
+    assert {t["target"].split(",")[0] for t in loaded["targets"]} >= {"`reshard write --tp 4` vs `cp -r`"}
+    assert paths["png"].stat().st_size > 1000
+    table = paths["md"].read_text()
+    assert "| write tiny tp2 | reshard write --tp 2 |" in table
+    assert "| write tiny tp2 | cp -r | " in table
