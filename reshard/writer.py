@@ -237,6 +237,11 @@ def write_shards(
     remove_stale_temps(out)
     bar = Progress(sum(r.size for r in plan.ranks), "write", enabled=progress)
     record = _load_record(out / MANIFEST_NAME, plan.digest)
+    if not record["files"] and (out / MANIFEST_NAME).exists():
+        # the record of another plan would vouch for rank files this run is about to replace: remove it
+        # first, so that whenever reshard.json exists every file it lists has the listed sha256
+        (out / MANIFEST_NAME).unlink()
+        fsync_dir(out)
 
     def done(n: int) -> None:
         bar.update(n)

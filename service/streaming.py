@@ -43,6 +43,13 @@ def shard_etag(plan_digest: str, rank: int) -> str:
     return f'"{plan_digest[:40]}-r{rank}"'
 
 
+def _position(digits: str) -> int:
+    """A byte position from a Range header; absurdly long numbers (past any file, and past Python's
+    4300-digit int parsing limit) become one huge value instead of an error."""
+    digits = digits.lstrip("0") or "0"
+    return int(digits) if len(digits) <= 30 else 10**30
+
+
 def parse_range(header: str | None, size: int) -> tuple[int, int] | None:
     """A single `bytes=a-b`, `a-` or `-n` range as a half-open [start, end); None for the whole body.
 
@@ -56,16 +63,16 @@ def parse_range(header: str | None, size: int) -> tuple[int, int] | None:
         return None
     first, last = m.group(1), m.group(2)
     if not first:  # suffix: the last n bytes
-        n = int(last)
+        n = _position(last)
         if n == 0:
-            raise RangeNotSatisfiable(f"Range {header!r}: an empty suffix; the shard has {size} bytes", size=size)
+            raise RangeNotSatisfiable(f"Range {header[:80]!r}: an empty suffix; the shard has {size} bytes", size=size)
         return (max(size - n, 0), size)
-    start = int(first)
-    end = size if not last else min(int(last) + 1, size)
-    if last and int(last) < start:
+    start = _position(first)
+    end = size if not last else min(_position(last) + 1, size)
+    if last and _position(last) < start:
         return None  # invalid range: ignored
     if start >= size:
-        raise RangeNotSatisfiable(f"Range {header!r} starts at or past the end of the {size}-byte shard", size=size)
+        raise RangeNotSatisfiable(f"Range {header[:80]!r} starts at or past the end of the {size}-byte shard", size=size)
     return (start, end)
 
 

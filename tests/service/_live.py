@@ -155,29 +155,23 @@ SMALL_CKPTS: dict[str, tuple[dict[str, Any], tuple[int, ...]]] = {
 BIG = "big"  # ~56 MB float32: 28 MB column-split shards at tp=2
 
 
-class CuttingProxy:
-    """A TCP proxy to `upstream` (host, port) that breaks its first `cuts` connections after relaying
-    `cut_after` response bytes: a flaky network, for resume tests. Records every request head."""
+class LoopbackProxy:
+    """A TCP relay on 127.0.0.1 to `upstream` (host, port); subclasses shape the response in `_relay`."""
 
-    def __init__(self, upstream: tuple[str, int], *, cut_after: int, cuts: int = 1) -> None:
-        self.upstream, self.cut_after, self.cuts = upstream, cut_after, cuts
-        self.requests: list[bytes] = []
-        self.on_cut: Any = None  # called after each cut, before the client can reconnect
+    def __init__(self, upstream: tuple[str, int]) -> None:
+        self.upstream = upstream
         self._sock = socket.socket()
         self._sock.bind(("127.0.0.1", 0))
         self._sock.listen(16)
         self.port = self._sock.getsockname()[1]
-        self._threads: list[threading.Thread] = []
         self._closing = False
-        t = threading.Thread(target=self._accept, daemon=True)
-        t.start()
-        self._threads.append(t)
+        threading.Thread(target=self._accept, daemon=True).start()
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def __enter__(self) -> CuttingProxy:
+    def __enter__(self) -> Any:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -190,35 +184,68 @@ class CuttingProxy:
                 client, _ = self._sock.accept()
             except OSError:
                 return
-            cut = self.cuts > 0
-            self.cuts -= 1
-            threading.Thread(target=self._serve, args=(client, cut), daemon=True).start()
+            threading.Thread(target=self._serve, args=(client, self._on_connect()), daemon=True).start()
 
-    def _serve(self, client: socket.socket, cut: bool) -> None:
-        up = socket.create_connection(self.upstream)
+    def _on_connect(self) -> Any:
+        """Per-connection state handed to `_relay` (decided in accept order)."""
+        return None
+
+    def _connect_upstream(self) -> socket.socket:
+        return socket.create_connection(self.upstream)
+
+    def _request_seen(self, data: bytes) -> None:
+        pass
+
+    def _relay(self, up: socket.socket, client: socket.socket, state: Any) -> None:
+        raise NotImplementedError
+
+    def _serve(self, client: socket.socket, state: Any) -> None:
+        up = self._connect_upstream()
 
         def upstream_pump() -> None:
             with contextlib.suppress(OSError):
                 while data := client.recv(65536):
-                    if data[:4] in (b"GET ", b"HEAD", b"PUT ", b"POST"):
-                        self.requests.append(data.split(b"\r\n\r\n")[0])
+                    self._request_seen(data)
                     up.sendall(data)
             with contextlib.suppress(OSError):
                 up.shutdown(socket.SHUT_WR)
 
         threading.Thread(target=upstream_pump, daemon=True).start()
-        sent = 0
         with contextlib.suppress(OSError):
-            while data := up.recv(65536):
-                if cut and sent + len(data) >= self.cut_after:
-                    client.sendall(data[: self.cut_after - sent])
-                    if self.on_cut is not None:
-                        self.on_cut()  # before the client can notice the cut and reconnect
-                    break
-                client.sendall(data)
-                sent += len(data)
+            self._relay(up, client, state)
         for s in (client, up):  # shutdown wakes the other thread's recv; close alone would not
             with contextlib.suppress(OSError):
                 s.shutdown(socket.SHUT_RDWR)
             with contextlib.suppress(OSError):
                 s.close()
+
+
+class CuttingProxy(LoopbackProxy):
+    """A proxy that breaks its first `cuts` connections after relaying `cut_after` response bytes:
+    a flaky network, for resume tests. Records every request head."""
+
+    def __init__(self, upstream: tuple[str, int], *, cut_after: int, cuts: int = 1) -> None:
+        self.cut_after, self.cuts = cut_after, cuts
+        self.requests: list[bytes] = []
+        self.on_cut: Any = None  # called after each cut, before the client can reconnect
+        super().__init__(upstream)
+
+    def _on_connect(self) -> bool:
+        cut = self.cuts > 0
+        self.cuts -= 1
+        return cut
+
+    def _request_seen(self, data: bytes) -> None:
+        if data[:4] in (b"GET ", b"HEAD", b"PUT ", b"POST"):
+            self.requests.append(data.split(b"\r\n\r\n")[0])
+
+    def _relay(self, up: socket.socket, client: socket.socket, cut: bool) -> None:
+        sent = 0
+        while data := up.recv(65536):
+            if cut and sent + len(data) >= self.cut_after:
+                client.sendall(data[: self.cut_after - sent])
+                if self.on_cut is not None:
+                    self.on_cut()  # before the client can notice the cut and reconnect
+                return
+            client.sendall(data)
+            sent += len(data)

@@ -1,0 +1,109 @@
+"""Helpers for the hardening tests (tests/service must be on sys.path: conftest.py puts it there).
+
+    ThrottledProxy(upstream, rate=...)        a TCP relay that slows responses down (kill a pull halfway)
+    verbose_server(root, token=..., out=...)  `reshard serve` logging everything (trace level, access log)
+    metric(srv, prefix), fd_count(pid), rss_anon(pid), tree(path), wait_for(pred), raw_http(srv, head)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+from _live import REPO, LiveServer, LoopbackProxy, _stop, _wait_healthy, free_port
+
+
+@contextlib.contextmanager
+def verbose_server(root: Path, *, token: str, out: Path, log_path: Path) -> Iterator[LiveServer]:
+    """Like `_live.live_server`, but with uvicorn's most verbose logging (every request, every ASGI
+    message) and the token from the environment, as a deployment would pass a secret."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RESHARD_")}
+    env.update(RESHARD_TOKEN=token, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    port = free_port()
+    cmd = [sys.executable, "-m", "reshard.cli", "serve", "--root", str(root), "--host", "127.0.0.1",
+           "--port", str(port), "--out", str(out), "--log-level", "trace"]
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    srv = LiveServer(f"http://127.0.0.1:{port}", proc, log_path, token)
+    try:
+        assert _wait_healthy(srv, 60), srv.log()
+        yield srv
+    finally:
+        _stop(proc)
+
+
+def metric(srv: LiveServer, prefix: str) -> float:
+    """The sum of the /metrics samples whose line starts with `prefix`."""
+    text = httpx.get(srv.url + "/metrics", headers=srv.headers(), timeout=30).text
+    return sum(float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines() if ln.startswith(prefix))
+
+
+def fd_count(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def rss_anon(pid: int) -> int:
+    """Anonymous resident memory of a process in bytes (heap, stacks; not the page cache of mapped files)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) * 1024
+    raise KeyError("RssAnon")
+
+
+def tree(path: Path) -> dict[str, int]:
+    """Every file under `path` (relative name -> size), hidden ones included."""
+    out = {}
+    for dirpath, _dirs, files in os.walk(path):
+        for f in files:
+            p = Path(dirpath) / f
+            with contextlib.suppress(FileNotFoundError):
+                out[str(p.relative_to(path))] = p.lstat().st_size
+    return out
+
+
+def wait_for(pred: Callable[[], object], timeout: float = 20.0, step: float = 0.02) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(step)
+    return bool(pred())
+
+
+def raw_http(srv: LiveServer, head: str, body: bytes = b"", *, timeout: float = 10.0) -> tuple[int, bytes]:
+    """Send a hand-written request (`head` without the final blank line); (status, whole answer)."""
+    host, port = srv.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=timeout) as s:
+        s.sendall(head.encode("latin-1") + b"\r\nConnection: close\r\n\r\n" + body)
+        got = b""
+        while chunk := s.recv(65536):
+            got += chunk
+    return int(got.split(b" ", 2)[1]), got
+
+
+class ThrottledProxy(LoopbackProxy):
+    """A TCP relay to `upstream` that sends responses at about `rate` bytes/s (requests pass freely).
+    `rcvbuf` caps its receive window towards the server, so the server cannot run far ahead."""
+
+    def __init__(self, upstream: tuple[str, int], *, rate: float, rcvbuf: int | None = None) -> None:
+        self.rate, self.rcvbuf = rate, rcvbuf
+        super().__init__(upstream)
+
+    def _connect_upstream(self) -> socket.socket:
+        up = socket.socket()
+        if self.rcvbuf:
+            up.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, self.rcvbuf)
+        up.connect(self.upstream)
+        return up
+
+    def _relay(self, up: socket.socket, client: socket.socket, state: object) -> None:
+        while data := up.recv(32768):
+            client.sendall(data)
+            time.sleep(len(data) / self.rate)
