@@ -10,7 +10,7 @@ from typing import Any
 
 from reshard.errors import PlanError
 from reshard.plan import Plan, make_plan, plan_to_json
-from reshard.progress import human
+from reshard.progress import add_progress_flags, human
 from reshard.source import open_source
 
 
@@ -52,7 +52,7 @@ def cmd_write(args: argparse.Namespace) -> int:
     from reshard.writer import write_shards
 
     ckpt, plan = _plan(args)
-    record = write_shards(ckpt, plan, args.out, progress=None if args.progress is None else args.progress)
+    record = write_shards(ckpt, plan, args.out, progress=args.progress)
     total = sum(f["size"] for f in record["files"].values())
     print(f"wrote {len(plan.ranks)} rank files ({human(total)} in {Path(args.out)}), manifest: {plan.manifest.source}")
     return 0
@@ -74,9 +74,7 @@ def add_commands(sub: Any) -> None:
     _common(p)
     p.add_argument("-o", "--out", required=True, help="output directory")
     p.add_argument("--ranks", help="only these ranks, e.g. 0,2")
-    g = p.add_mutually_exclusive_group()
-    g.add_argument("--progress", dest="progress", action="store_true", default=None, help="force the progress bar")
-    g.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    add_progress_flags(p)
     p.set_defaults(func=cmd_write)
     _add_pull(sub)
 
@@ -103,7 +101,5 @@ def _add_pull(sub: Any) -> None:
     p.add_argument("--rules", help="label of a manifest stored on the server")
     p.add_argument("--retries", type=int, default=5, help="tries after a failure without progress (default 5)")
     p.add_argument("--no-resume", action="store_true", help="ignore a partial download left by an earlier try")
-    g = p.add_mutually_exclusive_group()
-    g.add_argument("--progress", dest="progress", action="store_true", default=None, help="force the progress bar")
-    g.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    add_progress_flags(p)
     p.set_defaults(func=cmd_pull)

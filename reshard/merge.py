@@ -16,7 +16,7 @@ from reshard.errors import PlanError
 from reshard.format import CONFIG_NAME, INDEX_NAME, SINGLE_NAME
 from reshard.loaders import full_selection
 from reshard.plan import OutTensor, RankPlan, layout, segments_for, source_files
-from reshard.progress import Progress, human
+from reshard.progress import Progress, add_progress_flags, human
 from reshard.shards import ShardSet
 from reshard.writer import atomic_file, remove_stale_temps, write_json_atomic, write_rank_file
 
@@ -81,7 +81,5 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--max-file-bytes", type=int, default=DEFAULT_MAX_FILE,
                    help="start a new model-XXXXX-of-YYYYY file past this many bytes (default 5e9)")
     p.add_argument("--json", action="store_true", help="print a JSON summary")
-    g = p.add_mutually_exclusive_group()
-    g.add_argument("--progress", dest="progress", action="store_true", default=None)
-    g.add_argument("--no-progress", dest="progress", action="store_false")
+    add_progress_flags(p)
     p.set_defaults(func=cmd_merge)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import TextIO
+from typing import Any, TextIO
 
 
 def human(n: float) -> str:
@@ -48,3 +48,10 @@ class Progress:
             self._draw(time.monotonic())
             self.stream.write("\n")
             self.stream.flush()
+
+
+def add_progress_flags(parser: Any) -> None:
+    """--progress / --no-progress (default: a bar only on a terminal) for an argparse parser."""
+    g = parser.add_mutually_exclusive_group()
+    g.add_argument("--progress", dest="progress", action="store_true", default=None, help="force the progress bar")
+    g.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
