@@ -22,6 +22,7 @@ from typing import Any
 import anyio
 import anyio.lowlevel
 import anyio.to_thread
+import numpy as np
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
@@ -181,11 +182,11 @@ class ShardResponse(Response):
         """Send the body; return 'complete', 'disconnected' or 'error' (then the body is cut short)."""
         m, chunk = self.ctx.metrics, self.ctx.chunk_size
         state: dict[str, Any] = {"outcome": "disconnected", "error": None}
-        send_q, recv_q = anyio.create_memory_object_stream[bytearray](1)
+        send_q, recv_q = anyio.create_memory_object_stream[memoryview](1)
 
-        def read(pos: int, n: int) -> bytearray:
-            buf = bytearray(n)
-            stream.read_into(pos, memoryview(buf))
+        def read(pos: int, n: int) -> memoryview:
+            buf = memoryview(np.empty(n, np.uint8))  # not zero-filled: read_into overwrites every byte
+            stream.read_into(pos, buf)
             return buf
 
         async def produce(cancel: Callable[[], Any]) -> None:
