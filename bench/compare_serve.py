@@ -51,7 +51,7 @@ def prepare(src: Path, work: Path, variants: list[str]) -> tuple[Path, Path]:
             rules = {"rules": [{"pattern": pat, "kind": kind} for pat in MATRIX]}
             (d / "reshard-rules.json").write_text(json.dumps(rules))
         out = files / variant
-        if not out.exists():
+        if not (out / "reshard.json").exists():  # a run killed mid-write leaves no record: redo it
             subprocess.run([reshard_bin(), "write", str(d), "--tp", str(TP), "-o", str(out), "--no-progress"],
                            check=True, stdout=subprocess.DEVNULL)
     return root, files
