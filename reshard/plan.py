@@ -45,6 +45,21 @@ class Segment:
 
 
 @dataclass(frozen=True)
+class Interleave:
+    """`count` rows, each made of one run of every part in order (the parts share `count`): a
+    row-split tensor put together from several rank files."""
+
+    parts: tuple[Segment, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+
+Extent = Segment | Interleave
+
+
+@dataclass(frozen=True)
 class OutTensor:
     """One tensor of a rank file: its bytes are `segments` in order, at data offsets [begin, end)."""
 
@@ -55,7 +70,7 @@ class OutTensor:
     kind: str
     options: dict[str, Any]
     selection: Selection
-    segments: tuple[Segment, ...]
+    segments: tuple[Extent, ...]
     begin: int = 0
     end: int = 0
 
@@ -91,7 +106,7 @@ class RankPlan:
         return len(self.header) + (self.tensors[-1].end if self.tensors else 0)
 
     def stats(self) -> dict[str, int]:
-        read = sum(s.nbytes for t in self.tensors for s in t.segments if s.file is not None)
+        read = sum(s.nbytes for t in self.tensors for s in t.segments if not isinstance(s, Segment) or s.file)
         return {
             "tensors": len(self.tensors),
             "bytes": self.size,
@@ -161,7 +176,7 @@ class _PieceIndex:
         raise PlanError(f"{self.gt.name}: no piece holds indices {box}; the rank shards are incomplete")
 
 
-def segments_for(gt: GlobalTensor, sel: Selection) -> tuple[Segment, ...]:
+def segments_for(gt: GlobalTensor, sel: Selection) -> tuple[Extent, ...]:
     """Source byte runs (and zero padding) that produce `sel` of global tensor `gt`, in row-major order."""
     shape = gt.shape
     if not shape:
@@ -177,11 +192,11 @@ def segments_for(gt: GlobalTensor, sel: Selection) -> tuple[Segment, ...]:
         return (Segment(str(piece.info.file), offset, gt.nbytes),)
     inner_bytes = math.prod(shape[k + 1 :]) * gt.itemsize
     tail = [(0, n) for n in shape[k + 1 :]]
-    out: list[Segment] = []
+    out: list[Extent] = []
 
-    def emit(seg: Segment) -> None:
+    def emit(seg: Extent) -> None:
         last = out[-1] if out else None
-        if last and last.count == 1 and seg.count == 1 and last.file == seg.file and (
+        if isinstance(last, Segment) and isinstance(seg, Segment) and last.count == 1 and seg.count == 1 and last.file == seg.file and (
             seg.file is None or last.offset + last.run == seg.offset
         ):
             out[-1] = Segment(last.file, last.offset, last.run + seg.run)
@@ -193,7 +208,8 @@ def segments_for(gt: GlobalTensor, sel: Selection) -> tuple[Segment, ...]:
 
     def walk(d: int, prefix: list[Interval]) -> None:
         block = math.prod(selection_shape(sel[d + 1 :])) * gt.itemsize
-        fast = d == k - 1 and len(sel[k]) == 1 and sel[k][0][1] <= shape[k]
+        # rows of dim d at once: one strided run per interval of dim k (k is not padded there)
+        fast = d == k - 1 and sel[k][-1][1] <= shape[k]
         for a, b in sel[d]:
             hi = min(b, shape[d])
             if d == k:
@@ -201,9 +217,11 @@ def segments_for(gt: GlobalTensor, sel: Selection) -> tuple[Segment, ...]:
                     piece, offset, _ = index.locate([*prefix, (a, hi), *tail])
                     emit(Segment(str(piece.info.file), offset, (hi - a) * inner_bytes))
             elif fast and hi > a:
-                piece, offset, strides = index.locate([*prefix, (a, hi), sel[k][0], *tail])
-                emit(Segment(str(piece.info.file), offset, (sel[k][0][1] - sel[k][0][0]) * inner_bytes,
-                             hi - a, strides[d]))
+                parts = []
+                for c, e in sel[k]:
+                    piece, offset, strides = index.locate([*prefix, (a, hi), (c, e), *tail])
+                    parts.append(Segment(str(piece.info.file), offset, (e - c) * inner_bytes, hi - a, strides[d]))
+                emit(parts[0] if len(parts) == 1 else Interleave(tuple(parts)))
             else:
                 for i in range(a, hi):
                     walk(d + 1, [*prefix, (i, i + 1)])

@@ -9,12 +9,13 @@ changes under the stream fails it (`SourceChangedError`) rather than yield mixed
 from __future__ import annotations
 
 import bisect
+import itertools
 import os
 from collections.abc import Iterator
 from types import TracebackType
 
 from reshard.errors import SourceChangedError
-from reshard.plan import RankPlan, Segment
+from reshard.plan import Interleave, RankPlan, Segment
 
 CHUNK = 8 << 20
 _DIRECT_RUN = 256 << 10  # runs at least this long are read straight into the output
@@ -33,7 +34,7 @@ class RankStream:
         self._scratch: bytearray | None = None
         # flat index of pieces: (start offset in the output, piece); a piece is bytes or a Segment
         starts: list[int] = [0]
-        pieces: list[bytes | Segment] = [plan.header]
+        pieces: list[bytes | Segment | Interleave] = [plan.header]
         pos = len(plan.header)
         for t in plan.tensors:
             for seg in t.segments:
@@ -94,7 +95,7 @@ class RankStream:
         for start, piece in zip(self._starts, self._pieces):
             if isinstance(piece, bytes):
                 yield start, len(piece), None
-            elif piece.file is not None and (piece.count == 1 or piece.stride == piece.run):
+            elif isinstance(piece, Segment) and piece.file is not None and (piece.count == 1 or piece.stride == piece.run):
                 yield start, piece.nbytes, (self._fds[piece.file], piece.offset)
             else:
                 yield start, piece.nbytes, None
@@ -115,6 +116,8 @@ class RankStream:
             dst = out[done : done + n]
             if isinstance(piece, bytes):
                 dst[:] = piece[lo : lo + n]
+            elif isinstance(piece, Interleave):
+                self._read_interleave(piece, lo, dst)
             elif piece.file is None:
                 dst[:] = bytes(n)
             else:
@@ -157,13 +160,46 @@ class RankStream:
             import numpy as np  # only strided (row-split) tensors need it
             k = min((end - pos) // run, max(1, (_SCRATCH - run) // stride + 1))
             span = (k - 1) * stride + run
-            if self._scratch is None or len(self._scratch) < span:
-                self._scratch = bytearray(max(span, min(_SCRATCH, 1 << 20)))
-            scratch = memoryview(self._scratch)[:span]
+            scratch = self._scratch_view(span)
             self._pread(fd, scratch, seg.offset + r * stride, seg.file)
             src = np.lib.stride_tricks.as_strided(np.frombuffer(scratch, np.uint8), (k, run), (stride, 1))
             np.frombuffer(dst, np.uint8)[pos - lo : pos - lo + k * run].reshape(k, run)[...] = src
             pos += k * run
+
+
+    def _read_interleave(self, il: Interleave, lo: int, dst: memoryview) -> None:
+        """Bytes [lo, lo+len(dst)) of rows made of one run of each part: whole rows are gathered
+        part by part into their columns of dst; partial rows at the edges part by part."""
+        import numpy as np
+
+        runs = [p.run for p in il.parts]
+        row = sum(runs)
+        cols = list(itertools.accumulate(runs, initial=0))
+        pos, end = lo, lo + len(dst)
+        while pos < end:
+            r, within = divmod(pos, row)
+            if within or end - pos < row:  # a partial row
+                stop = min(row, within + end - pos)
+                for part, a in zip(il.parts, cols):
+                    x, y = max(within, a), min(stop, a + part.run)
+                    if x < y:
+                        self._read_segment(part, r * part.run + x - a, dst[pos - lo + x - within : pos - lo + y - within])
+                pos += stop - within
+                continue
+            k = min((end - pos) // row, max(1, _SCRATCH // max(max(p.stride, p.run) for p in il.parts)))
+            rows = np.frombuffer(dst, np.uint8)[pos - lo : pos - lo + k * row].reshape(k, row)
+            for part, a in zip(il.parts, cols):
+                span = (k - 1) * part.stride + part.run if k > 1 else part.run
+                scratch = self._scratch_view(span)
+                self._pread(self._fds[part.file], scratch, part.offset + r * part.stride, part.file)
+                src = np.lib.stride_tricks.as_strided(np.frombuffer(scratch, np.uint8), (k, part.run), (part.stride, 1))
+                rows[:, a : a + part.run] = src
+            pos += k * row
+
+    def _scratch_view(self, n: int) -> memoryview:
+        if self._scratch is None or len(self._scratch) < n:
+            self._scratch = bytearray(max(n, min(_SCRATCH, 1 << 20)))
+        return memoryview(self._scratch)[:n]
 
 
 def iter_rank_bytes(plan: RankPlan, start: int = 0, end: int | None = None) -> Iterator[memoryview]:
