@@ -7,6 +7,7 @@ loader. The model file itself knows nothing of this.
 
 from __future__ import annotations
 
+import contextvars
 from typing import Any
 
 import torch
@@ -49,8 +50,15 @@ class HeadReplicatedLinear(nn.Module):
         return F.linear(copy_to_tp_region(x, self.group), weight, bias)
 
 
+# groups of ranks sharing a head, made once per head count while one `parallelize` call runs
+_SHARE_GROUPS: contextvars.ContextVar[dict[int, ProcessGroup | None]] = contextvars.ContextVar("share_groups")
+
+
 def _share_groups(heads: int, group: ProcessGroup | None) -> ProcessGroup | None:
     """Create (collectively, on every rank) the groups of ranks sharing each head; return this rank's."""
+    cache = _SHARE_GROUPS.get(None)
+    if cache is not None and heads in cache:
+        return cache[heads]
     tp, rank = tp_world_size(group), tp_rank(group)
     rep = tp // heads
     mine = None
@@ -60,6 +68,8 @@ def _share_groups(heads: int, group: ProcessGroup | None) -> ProcessGroup | None
         g = dist.new_group(global_ranks)
         if rank in members:
             mine = g
+    if cache is not None:
+        cache[heads] = mine
     return mine
 
 
@@ -107,6 +117,15 @@ def parallelize(model: nn.Module, specs: dict[str, Spec], *, group: ProcessGroup
     `tied=(head, embedding)` names an output head that shares the embedding's weight and so has no
     entry of its own: it becomes a gathered column-parallel layer split like the embedding.
     """
+    token = _SHARE_GROUPS.set({})
+    try:
+        return _parallelize(model, specs, group, tied)
+    finally:
+        _SHARE_GROUPS.reset(token)
+
+
+def _parallelize(model: nn.Module, specs: dict[str, Spec], group: ProcessGroup | None,
+                 tied: tuple[str, str] | None) -> nn.Module:
     specs = dict(specs)
     if tied and f"{tied[0]}.weight" not in specs and f"{tied[1]}.weight" in specs:
         emb = specs[f"{tied[1]}.weight"]

@@ -177,6 +177,8 @@ def test_local_parameter_shapes(tp_runs: Any, tp: int) -> None:
         assert shapes["model.layers.1.self_attn.o_proj.weight"] == (64, 64 // tp), rank
         assert shapes["model.layers.1.mlp.down_proj.weight"] == (64, 128 // tp), rank
         assert shapes["model.norm.weight"] == (64,), rank
+        # the groups of ranks sharing a kv head are made once per model, not once per layer
+        assert res["new_groups"]["llama_gqa"] == (2 if tp == 4 else 0), rank
         qwen = res["local_shapes"]["qwen2_bias"]
         assert qwen["model.layers.0.self_attn.v_proj.bias"] == (16,), rank
         assert "model.layers.0.self_attn.o_proj.bias" not in qwen

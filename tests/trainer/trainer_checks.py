@@ -48,9 +48,22 @@ def logits_job(
     `wrong_tp_dirs` are shard dirs of another tp: building from them must fail on every rank.
     """
     torch.set_num_threads(1)
-    out: dict[str, Any] = {"logits": {}, "loss": {}, "local_shapes": {}, "grads": {}, "selects": {}, "errors": {}}
+    out: dict[str, Any] = {"logits": {}, "loss": {}, "local_shapes": {}, "grads": {}, "selects": {}, "errors": {},
+                           "new_groups": {}}
+    new_group = torch.distributed.new_group
     for name, shard_dir in cases.items():
-        model = build_model(shard_dir)
+        made: list[Any] = []
+
+        def counting(*args: Any, _made: list[Any] = made, **kw: Any) -> Any:
+            _made.append(args)
+            return new_group(*args, **kw)
+
+        torch.distributed.new_group = counting
+        try:
+            model = build_model(shard_dir)
+        finally:
+            torch.distributed.new_group = new_group
+        out["new_groups"][name] = len(made)
         model.eval()
         with torch.no_grad():
             out["logits"][name] = model(ids)
