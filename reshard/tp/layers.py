@@ -91,7 +91,33 @@ def _linear_weight_bound(fan_in: int) -> float:
     return math.sqrt(3.0) * gain / math.sqrt(fan_in) if fan_in > 0 else 0.0
 
 
-class ColumnParallelLinear(nn.Module):
+class _TPModule(nn.Module):
+    """What every parallel layer shares: its group, tp and rank, and its shard-shaped parameters."""
+
+    def __init__(self, group: ProcessGroup | None) -> None:
+        super().__init__()
+        self.group = group
+        self.tp = tp_world_size(group)
+        self.rank = tp_rank(group)
+
+    def _make_parameters(
+        self, weight_shape: tuple[int, int], bias_size: int | None, device: torch.device | str | None,
+        dtype: torch.dtype | None,
+    ) -> None:
+        """Create `weight` (and `bias` when bias_size is given); initialize them unless on meta."""
+        self.weight = nn.Parameter(torch.empty(weight_shape, device=device, dtype=dtype))
+        if bias_size is not None:
+            self.bias = nn.Parameter(torch.empty(bias_size, device=device, dtype=dtype))
+        else:
+            self.register_parameter("bias", None)
+        if not self.weight.is_meta:
+            self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        raise NotImplementedError
+
+
+class ColumnParallelLinear(_TPModule):
     """y = x W^T + b with W split along dim 0 (output features); rank r holds rows r*out/tp...
 
     Input: the full `x` on every rank (`copy_to_tp_region`: identity forward, all-reduce backward).
@@ -113,10 +139,7 @@ class ColumnParallelLinear(nn.Module):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
-        super().__init__()
-        self.group = group
-        self.tp = tp_world_size(group)
-        self.rank = tp_rank(group)
+        super().__init__(group)
         name = type(self).__name__
         total = _padded_total(name, "out_features", out_features, padded_out_features, self.tp)
         self.in_features = in_features
@@ -125,14 +148,8 @@ class ColumnParallelLinear(nn.Module):
         self.local_out_features = total // self.tp
         self.output_start = self.rank * self.local_out_features
         self.gather_output = gather_output
-        factory = {"device": device, "dtype": dtype}
-        self.weight = nn.Parameter(torch.empty(self.local_out_features, in_features, **factory))
-        if bias:
-            self.bias = nn.Parameter(torch.empty(self.local_out_features, **factory))
-        else:
-            self.register_parameter("bias", None)
-        if not self.weight.is_meta:
-            self.reset_parameters()
+        self._make_parameters((self.local_out_features, in_features), self.local_out_features if bias else None,
+                              device, dtype)
 
     def reset_parameters(self) -> None:
         """Initialize like nn.Linear over the global shape; padded rows are zero. Not called by to_empty."""
@@ -170,7 +187,7 @@ class ColumnParallelLinear(nn.Module):
         )
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_TPModule):
     """y = x W^T + b with W split along dim 1 (input features); rank r holds columns r*in/tp...
 
     Input: this rank's slice of x along the last dim (`input_is_parallel=True`, e.g. the output of a
@@ -191,24 +208,14 @@ class RowParallelLinear(nn.Module):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
-        super().__init__()
-        self.group = group
-        self.tp = tp_world_size(group)
-        self.rank = tp_rank(group)
+        super().__init__(group)
         _check_divisible(type(self).__name__, "in_features", in_features, self.tp, None)
         self.in_features = in_features
         self.out_features = out_features
         self.local_in_features = in_features // self.tp
         self.input_start = self.rank * self.local_in_features
         self.input_is_parallel = input_is_parallel
-        factory = {"device": device, "dtype": dtype}
-        self.weight = nn.Parameter(torch.empty(out_features, self.local_in_features, **factory))
-        if bias:
-            self.bias = nn.Parameter(torch.empty(out_features, **factory))
-        else:
-            self.register_parameter("bias", None)
-        if not self.weight.is_meta:
-            self.reset_parameters()
+        self._make_parameters((out_features, self.local_in_features), out_features if bias else None, device, dtype)
 
     def reset_parameters(self) -> None:
         """Initialize like nn.Linear with the global fan-in; the bias from the global RNG. Not called by to_empty."""
@@ -236,7 +243,7 @@ class RowParallelLinear(nn.Module):
         )
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabParallelEmbedding(_TPModule):
     """nn.Embedding with rows split along the vocabulary; rank r holds rows [r*V/tp, (r+1)*V/tp).
 
     Ids outside this rank's range look up nothing (zeros); the per-rank results are all-reduced
@@ -256,10 +263,7 @@ class VocabParallelEmbedding(nn.Module):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
-        super().__init__()
-        self.group = group
-        self.tp = tp_world_size(group)
-        self.rank = tp_rank(group)
+        super().__init__(group)
         name = type(self).__name__
         total = _padded_total(name, "num_embeddings", num_embeddings, padded_num_embeddings, self.tp)
         self.num_embeddings = num_embeddings
@@ -268,11 +272,7 @@ class VocabParallelEmbedding(nn.Module):
         self.local_num_embeddings = total // self.tp
         self.vocab_start_index = self.rank * self.local_num_embeddings
         self.vocab_end_index = self.vocab_start_index + self.local_num_embeddings
-        self.weight = nn.Parameter(
-            torch.empty(self.local_num_embeddings, embedding_dim, device=device, dtype=dtype)
-        )
-        if not self.weight.is_meta:
-            self.reset_parameters()
+        self._make_parameters((self.local_num_embeddings, embedding_dim), None, device, dtype)
 
     def reset_parameters(self) -> None:
         """Initialize like nn.Embedding (N(0, 1)); padded rows are zero. Not called by to_empty."""
