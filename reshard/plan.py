@@ -271,18 +271,18 @@ def resolve_rules(ckpt_tensors: Sequence[str], manifest: Manifest, *, strict: bo
 
 
 def plan_rank(
-    ckpt: Source, rules: dict[str, Rule], tp: int, rank: int
+    tensors: dict[str, GlobalTensor], files: dict[str, tuple[int, int]], rules: dict[str, Rule], tp: int, rank: int
 ) -> RankPlan:
-    """One rank's plan; `rules` from `resolve_rules`."""
+    """One rank's plan; `tensors` from the source, `files` from `source_files`, `rules` from `resolve_rules`."""
     check_tp(tp, rank)
     items: list[OutTensor] = []
-    for name, src in ckpt.global_tensors().items():
+    for name, src in tensors.items():
         rule = rules[name]
         sel = tensor_selection(name, src.shape, rule, rank, tp)
         items.append(OutTensor(name, src.dtype, selection_shape(sel), src.shape, rule.kind, dict(rule.options),
                                sel, segments_for(src, sel)))
     meta = rank_metadata(tp, rank, {t.name: t.describe() for t in items})
-    return layout(items, meta, source_files(ckpt), rank=rank, tp=tp)
+    return layout(items, meta, files, rank=rank, tp=tp)
 
 
 def rank_metadata(tp: int, rank: int, tensors: dict[str, dict[str, Any]]) -> dict[str, str]:
@@ -338,8 +338,9 @@ def make_plan(
     check_tp(tp)
     for r in ranks or ():
         check_tp(tp, r)
-    rules, warnings = resolve_rules(list(ckpt.global_tensors()), manifest, strict=strict)
-    rank_plans = tuple(plan_rank(ckpt, rules, tp, r) for r in (ranks if ranks is not None else range(tp)))
+    tensors, files = ckpt.global_tensors(), source_files(ckpt)
+    rules, warnings = resolve_rules(list(tensors), manifest, strict=strict)
+    rank_plans = tuple(plan_rank(tensors, files, rules, tp, r) for r in (ranks if ranks is not None else range(tp)))
     identity = {"source": ckpt.identity(), "manifest": manifest.digest(), "tp": tp, "format": FORMAT}
     return Plan(tp, rank_plans, manifest, identity, tuple(warnings))
 
