@@ -6,6 +6,7 @@ Every setting can also come from a `RESHARD_*` environment variable; flags overr
 from __future__ import annotations
 
 import argparse
+import contextlib
 from typing import Any
 
 from reshard.errors import ReshardError
@@ -35,11 +36,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     settings = _settings(args)
     app = create_app(settings)
-    uvicorn.run(
-        app, host=settings.host, port=settings.port, log_level=settings.log_level,
-        access_log=not args.no_access_log, timeout_keep_alive=30,
-    )
-    return 0
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            app.state.jobs.stop()  # write jobs stop now, not once every open download has finished
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
+                            access_log=not args.no_access_log, timeout_keep_alive=30)
+    server = Server(config)
+    with contextlib.suppress(KeyboardInterrupt):
+        server.run()
+    return 0 if server.started else 3  # uvicorn has logged why it did not start (port in use...)
 
 
 def add_commands(sub: Any) -> None:

@@ -132,9 +132,15 @@ class JobManager:
                 counts[job.state] += 1
             return counts
 
+    def stop(self) -> None:
+        """Refuse to start queued jobs and interrupt the running one at its next chunk. Only sets an
+        event, so a signal handler may call it: the server's SIGTERM does, before uvicorn drains its
+        connections (which can take as long as the slowest download)."""
+        self._stopping.set()
+
     def shutdown(self) -> None:
         """Stop: queued jobs are cancelled, the running one stops at its next chunk; both end `failed`."""
-        self._stopping.set()
+        self.stop()
         self._pool.shutdown(wait=False, cancel_futures=True)
         with self._lock:
             cancelled = [self._jobs[i] for i, f in self._futures.items() if f.cancelled() and i in self._jobs]

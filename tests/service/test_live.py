@@ -8,6 +8,8 @@ import os
 import re
 import shutil
 import socket
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -15,7 +17,7 @@ from typing import Any
 
 import httpx
 import pytest
-from _live import BIG, SMALL_CKPTS, LiveServer
+from _live import BIG, REPO, SMALL_CKPTS, LiveServer
 
 from reshard.client import ShardClient
 from reshard.plan import rank_file_name
@@ -236,3 +238,12 @@ def test_auth_live(ckpt_root: Path, tmp_path: Path, server_factory: Any, monkeyp
         assert big.status_code == 413, big.text
         assert not (ckpt_root / "x").exists()
         assert srv.alive()
+
+
+def test_port_in_use_exits_3_and_says_why(server: LiveServer, ckpt_root: Path) -> None:
+    port = server.url.rsplit(":", 1)[1]
+    proc = subprocess.run([sys.executable, "-m", "reshard.cli", "serve", "--root", str(ckpt_root), "--host", "127.0.0.1",
+                           "--port", port], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 3, proc.stderr
+    assert "address already in use" in proc.stderr
+    assert httpx.get(server.url + "/healthz").status_code == 200  # the first server is untouched
