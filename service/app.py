@@ -66,7 +66,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.digests = digests
     app.state.jobs = job_manager
     app.state.metrics = service_metrics
-    app.state.stream_context = StreamContext(service_metrics, settings.chunk_size, settings.io_threads)
+    app.state.stream_context = StreamContext(service_metrics, settings.chunk_size, settings.io_threads,
+                                              settings.send_timeout)
     install_error_handlers(app)
 
     # the token is checked by middleware (one place, every route); this declares it in the OpenAPI doc

@@ -161,7 +161,7 @@ class ServiceMetrics:
         self.active_streams: Gauge = add(Gauge(
             "reshard_active_streams", "Shard bodies being sent now"))
         self.streams: Counter = add(Counter(
-            "reshard_shard_streams_total", "Shard bodies by outcome (complete, disconnected, error)", ("outcome",)))
+            "reshard_shard_streams_total", "Shard bodies by outcome (complete, disconnected, error, timeout)", ("outcome",)))
         self.stream_seconds: Histogram = add(Histogram(
             "reshard_stream_duration_seconds", "Duration of shard bodies",
             (0.01, 0.05, 0.25, 1, 5, 25, 120, 600)))

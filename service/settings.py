@@ -24,6 +24,8 @@ class Settings(BaseSettings):
     max_upload_bytes: int = Field(64 << 30, ge=1, description="largest accepted upload (413 above it)")
     max_body_bytes: int = Field(1 * MiB, ge=1, description="largest JSON request body (manifests, jobs)")
     chunk_size: int = Field(4 * MiB, ge=64 << 10, le=256 * MiB, description="bytes per streamed chunk")
+    send_timeout: float = Field(120.0, gt=0, description="seconds a client may take to accept one chunk of a "
+                                "shard before the stream is dropped (frees its files and buffers)")
     io_threads: int = Field(32, ge=1, le=1024, description="threads reading shard bytes for all streams")
     job_workers: int = Field(1, ge=1, le=64, description="background write jobs run at once")
     max_jobs_kept: int = Field(1000, ge=1, description="finished jobs remembered for GET /v1/jobs/{id}")

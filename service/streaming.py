@@ -124,11 +124,13 @@ class DigestCache:
 
 @dataclass
 class StreamContext:
-    """What a shard response needs from the app: metrics, chunk size and the reader-thread limit."""
+    """What a shard response needs from the app: metrics, chunk size, the reader-thread limit and
+    how long a client may take to accept one chunk."""
 
     metrics: ServiceMetrics
     chunk_size: int
     threads: int
+    send_timeout: float = 120.0
     _limiter: anyio.CapacityLimiter | None = None
     _loop: Any = None
 
@@ -179,7 +181,8 @@ class ShardResponse(Response):
             m.stream_seconds.observe(time.monotonic() - t0)
 
     async def _body(self, stream: RankStream, receive: Receive, send: Send) -> str:
-        """Send the body; return 'complete', 'disconnected' or 'error' (then the body is cut short)."""
+        """Send the body; return 'complete', 'disconnected', or 'error' / 'timeout' (then the body is
+        cut short: a source changed, or the client took no chunk for `send_timeout` seconds)."""
         m, chunk = self.ctx.metrics, self.ctx.chunk_size
         state: dict[str, Any] = {"outcome": "disconnected", "error": None}
         send_q, recv_q = anyio.create_memory_object_stream[memoryview](1)
@@ -205,7 +208,12 @@ class ShardResponse(Response):
         async def consume(cancel: Callable[[], Any]) -> None:
             async with recv_q:
                 async for buf in recv_q:
-                    await send({"type": "http.response.body", "body": buf, "more_body": True})
+                    with anyio.move_on_after(self.ctx.send_timeout) as waiting:
+                        await send({"type": "http.response.body", "body": buf, "more_body": True})
+                    if waiting.cancelled_caught:  # a client that stopped reading: let go of the stream
+                        state["outcome"] = "timeout"
+                        cancel()
+                        return
                     m.bytes_served.inc(len(buf))
             if state["error"] is not None:
                 return
@@ -228,4 +236,7 @@ class ShardResponse(Response):
             # after the status line all we can do is cut the body short; the client sees a short read
             log.warning("shard rank %d of tp=%d cut short: %s", self.plan.rank, self.plan.tp, state["error"])
             return "error"
+        if state["outcome"] == "timeout":
+            log.warning("shard rank %d of tp=%d dropped: the client took no data for %g s",
+                        self.plan.rank, self.plan.tp, self.ctx.send_timeout)
         return state["outcome"]
