@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import time
 
 import pytest
 import torch
@@ -157,16 +156,15 @@ def _rss_bytes() -> int:
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs /proc")
 def test_meta_construction_allocates_nothing() -> None:
-    before, start = _rss_bytes(), time.perf_counter()
+    before = _rss_bytes()
     # ~ 64 GiB of fp32 parameters if they were real
     layers = [
         ColumnParallelLinear(16384, 262144, device="meta"),
         RowParallelLinear(262144, 16384, device="meta"),
         VocabParallelEmbedding(262144, 16384, padded_num_embeddings=262144, device="meta"),
     ]
-    elapsed, grown = time.perf_counter() - start, _rss_bytes() - before
+    grown = _rss_bytes() - before
     assert all(p.is_meta for layer in layers for p in layer.parameters())
-    assert elapsed < 2.0, f"meta construction took {elapsed:.2f}s"
     assert grown < 64 * 2**20, f"RSS grew by {grown / 2**20:.0f} MiB"
 
 
