@@ -7,8 +7,9 @@ Covers llama, mistral, qwen2 (q/k/v bias), qwen3 (per-head q/k RMSNorm), gemma (
 This file knows nothing of parallelism. Tensor parallelism swaps modules afterwards, so nothing here
 trusts a stored head count or width: attention takes its number of (local) query and key/value heads
 from the projection outputs at forward time, the GQA ratio is local q heads // local kv heads, the
-fused qkv output is split by the ratio nh : nkv : nkv of whatever width arrives, and the MLP assumes
-no sizes. The model builds on the meta device without allocating (`LlamaForCausalLM(cfg,
+fused qkv output is split by the ratio nh : nkv : nkv of whatever width arrives (or by the
+projection's own `out_split` widths when it has them: kv heads shared between ranks break the
+ratio), and the MLP assumes no sizes. The model builds on the meta device without allocating (`LlamaForCausalLM(cfg,
 device="meta")` or under `with torch.device("meta"):`), then `to_empty(device=...)`, then load or
 `init_weights()`. Rotary frequencies are recomputed from the config, never stored in a buffer, so
 `to_empty` garbage cannot reach them.
@@ -233,6 +234,10 @@ class Attention(nn.Module):
         if not hasattr(self, "qkv_proj"):
             return self.q_proj(x), self.k_proj(x), self.v_proj(x)
         qkv = self.qkv_proj(x)
+        split = getattr(self.qkv_proj, "out_split", None)  # a fused layer that knows its block widths
+        if split is not None:
+            q, k, v = qkv.split(split, dim=-1)
+            return q, k, v
         nh, nkv = self.qkv_ratio
         width = qkv.shape[-1]
         if width % (nh + 2 * nkv):

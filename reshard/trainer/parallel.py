@@ -16,7 +16,6 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from reshard.errors import PlanError
 from reshard.loaders import layer_factory, register_layer, selection_shape
 from reshard.tp import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, copy_to_tp_region
 from reshard.tp.comm import tp_rank, tp_world_size
@@ -30,24 +29,34 @@ def _local_rows(spec: Spec) -> int:
 
 
 class HeadReplicatedLinear(nn.Module):
-    """A column-parallel projection whose heads are fewer than tp: each head lives on tp/heads ranks.
+    """A column-parallel projection with heads fewer than tp: each such head lives on tp/heads ranks.
 
-    Forward: identity into the region (input gradient all-reduced, as for a column layer). The
-    weight gradient of a shared head is summed over the ranks that hold it (`share_group`).
+    The local output is `blocks` of rows, each (rows, share_group): a block whose heads are shared
+    has the group of ranks holding it, a split block None (a fused q|k|v of Phi-3 mixes both). Forward:
+    identity into the region (input gradient all-reduced, as for a column layer). The weight gradient
+    of a shared block is summed over its sharers (`copy_to_tp_region` over the share group).
+    `out_split` gives the local block widths, for a model that splits a fused output.
     """
 
-    def __init__(self, in_features: int, local_out: int, bias: bool, *, group: ProcessGroup | None,
-                 share_group: ProcessGroup | None, device: Any = None, dtype: torch.dtype | None = None) -> None:
+    def __init__(self, in_features: int, blocks: list[tuple[int, ProcessGroup | None]], bias: bool, *,
+                 group: ProcessGroup | None, device: Any = None, dtype: torch.dtype | None = None) -> None:
         super().__init__()
-        self.group, self.share_group = group, share_group
+        self.group = group
+        self.out_split = [rows for rows, _ in blocks]
+        self.share_groups = [g for _, g in blocks]
+        local_out = sum(self.out_split)
         self.weight = nn.Parameter(torch.empty(local_out, in_features, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(local_out, device=device, dtype=dtype)) if bias else None
 
+    def _shared(self, t: torch.Tensor) -> torch.Tensor:
+        if len(self.out_split) == 1:
+            return copy_to_tp_region(t, self.share_groups[0]) if self.share_groups[0] is not None else t
+        parts = t.split(self.out_split)
+        return torch.cat([copy_to_tp_region(p, g) if g is not None else p for p, g in zip(parts, self.share_groups)])
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # copy_to_tp_region over the sharers: identity forward, gradient summed over them backward
-        weight = copy_to_tp_region(self.weight, self.share_group)
-        bias = copy_to_tp_region(self.bias, self.share_group) if self.bias is not None else None
-        return F.linear(copy_to_tp_region(x, self.group), weight, bias)
+        bias = self._shared(self.bias) if self.bias is not None else None
+        return F.linear(copy_to_tp_region(x, self.group), self._shared(self.weight), bias)
 
 
 # groups of ranks sharing a head, made once per head count while one `parallelize` call runs
@@ -82,7 +91,7 @@ def _column_layer(module: nn.Module, spec: Spec, group: ProcessGroup | None) -> 
     factory = {"device": "meta", "dtype": module.weight.dtype}
     heads = opts.get("heads")
     if opts.get("replicate_heads") and heads and heads < tp:  # GQA kv heads shared by tp/heads ranks
-        return HeadReplicatedLinear(inn, local, bias, group=group, share_group=_share_groups(heads, group), **factory)
+        return HeadReplicatedLinear(inn, [(local, _share_groups(heads, group))], bias, group=group, **factory)
     return ColumnParallelLinear(inn, out, bias, gather_output=bool(opts.get("gather_output")),
                                 padded_out_features=local * tp, group=group, **factory)
 
@@ -90,10 +99,17 @@ def _column_layer(module: nn.Module, spec: Spec, group: ProcessGroup | None) -> 
 @register_layer("packed_column")
 def _packed_layer(module: nn.Module, spec: Spec, group: ProcessGroup | None) -> nn.Module:
     out, inn = spec["shape"]
-    if _local_rows(spec) * tp_world_size(group) != out:
-        raise PlanError(f"packed_column of shape {out}x{inn}: heads shared between ranks are not supported by the trainer")
-    return ColumnParallelLinear(inn, out, getattr(module, "bias", None) is not None, group=group,
-                                device="meta", dtype=module.weight.dtype)
+    tp, opts = tp_world_size(group), spec.get("options") or {}
+    bias = getattr(module, "bias", None) is not None
+    factory = {"device": "meta", "dtype": module.weight.dtype}
+    heads = opts.get("heads") or [None] * len(opts.get("blocks", ()))
+    replicate = opts.get("replicate_heads") or [False] * len(heads)
+    shared = [bool(r and h and h < tp) for h, r in zip(heads, replicate)]
+    if not any(shared):
+        return ColumnParallelLinear(inn, out, bias, group=group, **factory)
+    rows = [b - a for a, b in spec["select"][0]]  # one interval per block, in block order
+    blocks = [(n, _share_groups(h, group) if s else None) for n, h, s in zip(rows, heads, shared)]
+    return HeadReplicatedLinear(inn, blocks, bias, group=group, **factory)
 
 
 @register_layer("row")

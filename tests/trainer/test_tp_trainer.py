@@ -44,6 +44,8 @@ CONFIGS = {
     "llama_gqa": llama_config(**SMALL),
     "tied": llama_config(**SMALL, tie_word_embeddings=True),
     "qwen2_bias": llama_config(model_type="qwen2", **SMALL, rope_theta=1e6),
+    # fused qkv_proj (packed q|k|v) whose k and v blocks are shared by two ranks each at tp=4
+    "phi3_fused": llama_config(model_type="phi3", **SMALL),
 }
 TPS = (1, 2, 4)
 LOGIT_ATOL = 1e-5
@@ -182,6 +184,10 @@ def test_local_parameter_shapes(tp_runs: Any, tp: int) -> None:
         qwen = res["local_shapes"]["qwen2_bias"]
         assert qwen["model.layers.0.self_attn.v_proj.bias"] == (16,), rank
         assert "model.layers.0.self_attn.o_proj.bias" not in qwen
+        phi3 = res["local_shapes"]["phi3_fused"]
+        assert phi3["model.layers.0.self_attn.qkv_proj.weight"] == (64 // tp + 16 + 16, 64), rank
+        assert phi3["model.layers.0.mlp.gate_up_proj.weight"] == (2 * 128 // tp, 64), rank
+        assert res["new_groups"]["phi3_fused"] == (2 if tp == 4 else 0), rank
         tied = res["local_shapes"]["tied"]
         assert "lm_head.weight" not in tied  # one parameter, shared with the embedding
         assert tied["model.embed_tokens.weight"] == (vocab_rows, 64), rank
