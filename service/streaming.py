@@ -3,7 +3,8 @@
 The body is produced by the same `RankStream` that `reshard write` uses, so the bytes are identical.
 A reader thread fills the next chunk while the event loop sends the current one; each chunk is a
 fresh buffer handed to the server, so a transport that keeps a reference to an unsent chunk (uvloop)
-never sees it overwritten. Memory per stream is about three chunks. The stream watches for the
+never sees it overwritten. Memory per stream is about three chunks. A full body is hashed as it is
+read, so the first download of a shard also fills the digest cache. The stream watches for the
 client's `http.disconnect`; when it comes, the reader stops after its current
 chunk and the source files are closed.
 """
@@ -148,8 +149,11 @@ class ShardResponse(Response):
     media_type = "application/octet-stream"
 
     def __init__(self, plan: RankPlan, *, ctx: StreamContext, start: int = 0, end: int | None = None,
-                 status_code: int = 200, headers: dict[str, str] | None = None, head: bool = False) -> None:
-        self.plan, self.ctx, self.head = plan, ctx, head
+                 status_code: int = 200, headers: dict[str, str] | None = None, head: bool = False,
+                 on_digest: Callable[[str], None] | None = None) -> None:
+        """`on_digest` receives the sha256 of the whole shard once a full body has been read from
+        unchanged sources (even if the client then hangs up): the first download fills the cache."""
+        self.plan, self.ctx, self.head, self.on_digest = plan, ctx, head, on_digest
         self.start, self.end = start, plan.size if end is None else end
         self.status_code = status_code
         self.background = None
@@ -186,10 +190,16 @@ class ShardResponse(Response):
         m, chunk = self.ctx.metrics, self.ctx.chunk_size
         state: dict[str, Any] = {"outcome": "disconnected", "error": None}
         send_q, recv_q = anyio.create_memory_object_stream[memoryview](1)
+        whole = self.on_digest is not None and (self.start, self.end) == (0, self.plan.size)
+        sha = hashlib.sha256() if whole else None
 
-        def read(pos: int, n: int) -> memoryview:
+        def read(pos: int, n: int) -> memoryview:  # called for one chunk at a time, in order
             buf = memoryview(np.empty(n, np.uint8))  # not zero-filled: read_into overwrites every byte
-            stream.read_into(pos, buf)
+            stream.read_into(pos, buf)  # checks afterwards that no source changed
+            if sha is not None:
+                sha.update(buf)
+                if pos + n == self.end and self.on_digest is not None:  # cached before the last byte leaves
+                    self.on_digest(sha.hexdigest())
             return buf
 
         async def produce(cancel: Callable[[], Any]) -> None:

@@ -28,7 +28,8 @@ _SHARD_DOC = """The rank's safetensors file (`application/octet-stream`), stream
 * `ETag` (strong) identifies source files, manifest, tp and rank; `If-None-Match` answers 304.
 * `Range: bytes=a-b` (one range) answers 206 with `Content-Range`; a range past the end answers 416.
   `If-Range` with a different ETag answers 200 with the whole file.
-* `X-Reshard-Sha256` is sent once the digest is known (see `.../digest`).
+* `X-Reshard-Sha256` is sent once the digest is known (see `.../digest`); the first full download
+  of a shard computes it on the way, so a client asking for it afterwards gets it at once.
 """
 
 
@@ -57,7 +58,8 @@ def get_shard(
     if range_ is not None and (if_range is None or if_range.strip() == etag):
         span = parse_range(range_, rp.size)
     if span is None:
-        return ShardResponse(rp, ctx=ctx, headers=headers, head=request.method == "HEAD")
+        fill = (lambda sha256: digests.put(etag, sha256)) if sha is None else None
+        return ShardResponse(rp, ctx=ctx, headers=headers, head=request.method == "HEAD", on_digest=fill)
     start, end = span
     headers["Content-Range"] = f"bytes {start}-{end - 1}/{rp.size}"
     return ShardResponse(rp, ctx=ctx, start=start, end=end, status_code=206, headers=headers,
@@ -84,8 +86,8 @@ for _method in ("GET", "HEAD"):
     "/{name}/shards/{rank}/digest",
     response_model=DigestOut,
     summary="sha256 of one rank's shard",
-    description="Computed by streaming the shard once per ETag, then cached in memory (and filled by "
-    "write jobs). Clients compare it with what they received.",
+    description="Computed by streaming the shard once per ETag, then cached in memory (also filled by "
+    "write jobs and by the first full download of the shard). Clients compare it with what they received.",
     responses=error_responses(400, 401, 404, 409, 422),
 )
 async def get_digest(name: Name, rank: Rank, tp: TP, catalog: CatalogDep, digests: DigestsDep,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import struct
@@ -214,6 +215,7 @@ def test_shard_headers_range_304_416(client: TestClient, root: Path, tmp_path: P
     assert head.headers["accept-ranges"] == "bytes"
     full = client.get(url, params=params)
     assert full.content == want and full.headers["etag"] == head.headers["etag"]
+    assert "x-reshard-sha256" not in head.headers and "x-reshard-sha256" not in full.headers
     etag = full.headers["etag"]
     part = client.get(url, params=params, headers={"Range": "bytes=100-199"})
     assert part.status_code == 206 and part.content == want[100:200]
@@ -226,12 +228,27 @@ def test_shard_headers_range_304_416(client: TestClient, root: Path, tmp_path: P
     assert client.get(url, params=params, headers={"If-None-Match": etag}).status_code == 304
     r = client.get(url, params=params, headers={"Range": f"bytes={len(want)}-"})
     assert _error(r, 416, "RangeNotSatisfiable") and r.headers["content-range"] == f"bytes */{len(want)}"
+    # the full download hashed what it read: the digest is known without streaming the shard again
+    assert client.head(url, params=params).headers["x-reshard-sha256"] == hashlib.sha256(want).hexdigest()
     digest = client.get(url + "/digest", params=params).json()
-    import hashlib
+    assert digest["sha256"] == hashlib.sha256(want).hexdigest() and digest["cached"]
 
+
+def test_digest_computed_once_when_no_full_download(client: TestClient, root: Path, tmp_path: Path) -> None:
+    """Ranges, HEAD and a 304 do not fill the digest cache; `.../digest` streams the shard once."""
+    from reshard.cli import main
+
+    assert main(["write", str(root / "tiny"), "--tp", "2", "-o", str(tmp_path / "w"), "--no-progress"]) == 0
+    want = (tmp_path / "w" / "rank-00000-of-00002.safetensors").read_bytes()
+    url, params = "/v1/checkpoints/tiny/shards/0", {"tp": 2}
+    etag = client.head(url, params=params).headers["etag"]
+    assert client.get(url, params=params, headers={"Range": "bytes=0-"}).content == want  # a range, not a full GET
+    assert client.get(url, params=params, headers={"If-None-Match": etag}).status_code == 304
+    assert "x-reshard-sha256" not in client.head(url, params=params).headers
+    digest = client.get(url + "/digest", params=params).json()
     assert digest["sha256"] == hashlib.sha256(want).hexdigest() and not digest["cached"]
     assert client.get(url + "/digest", params=params).json()["cached"]
-    assert client.head(url, params=params).headers["x-reshard-sha256"] == digest["sha256"]
+    assert client.get(url, params=params).headers["x-reshard-sha256"] == digest["sha256"]
 
 
 @pytest.mark.parametrize("header,size,want", [

@@ -134,6 +134,22 @@ def test_concurrent_pulls_byte_correct_and_memory_bounded(server: LiveServer, wr
     assert metric(server, "reshard_active_streams") == 0
 
 
+def test_first_download_fills_the_digest_cache(server: LiveServer, ckpt_root: Path, written: Any) -> None:
+    """A client's first pull of a shard is verified without the server streaming the shard a second
+    time: the download itself computed the sha256 the client then asks for."""
+    # new mtimes: a copy keeping them would share the original's ETag, whose digest may be cached already
+    shutil.copytree(ckpt_root / "llama", ckpt_root / "fresh-digest", copy_function=shutil.copyfile)
+    want = (written("llama", 2) / rank_file_name(1, 2)).read_bytes()
+    miss0 = metric(server, 'reshard_shard_digests_total{cache="miss"}')
+    hit0 = metric(server, 'reshard_shard_digests_total{cache="hit"}')
+    with ShardClient(server.ckpt_url("fresh-digest")) as client:
+        assert client.read_shard(1, 2) == want  # raises IntegrityError unless the sha256 matches
+    assert metric(server, 'reshard_shard_digests_total{cache="miss"}') == miss0
+    assert metric(server, 'reshard_shard_digests_total{cache="hit"}') == hit0 + 1
+    head = httpx.head(shard_url(server, "fresh-digest", 1), params={"tp": 2})
+    assert head.headers["x-reshard-sha256"] == hashlib.sha256(want).hexdigest()
+
+
 def _raw_request(srv: LiveServer, target: str, *, read: int = 0) -> bytes:
     host, port = srv.url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=10) as s:
