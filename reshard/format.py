@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from reshard.errors import CheckpointError, HeaderError
+from reshard.loaders import full_selection
 
 MAX_HEADER_BYTES = 100 * 1000 * 1000
 INDEX_NAME = "model.safetensors.index.json"
@@ -239,6 +240,11 @@ def read_header(path: Path) -> tuple[FileInfo, dict[str, TensorInfo]]:
     return FileInfo(path, st.st_size, st.st_mtime_ns, header_len, metadata), tensors
 
 
+def files_identity(files: list[FileInfo]) -> dict[str, Any]:
+    """What makes a plan stale: file names, sizes and mtimes."""
+    return {"files": [{"name": f.path.name, "size": f.size, "mtime_ns": f.mtime_ns} for f in files]}
+
+
 class Source(Protocol):
     """What a plan reads: a checkpoint, or a directory of rank shards (`reshard.shards.ShardSet`)."""
 
@@ -310,17 +316,12 @@ class Checkpoint:
     def global_tensors(self) -> dict[str, GlobalTensor]:
         """Every tensor as one piece covering all of it."""
         return {
-            name: GlobalTensor(name, t.dtype, t.shape, (Piece(t, tuple(((0, n),) for n in t.shape)),))
+            name: GlobalTensor(name, t.dtype, t.shape, (Piece(t, full_selection(t.shape)),))
             for name, t in self.tensors.items()
         }
 
     def identity(self) -> dict[str, Any]:
-        """What makes a plan stale: file names, sizes and mtimes."""
-        return {
-            "files": [
-                {"name": f.path.name, "size": f.size, "mtime_ns": f.mtime_ns} for f in self.files
-            ]
-        }
+        return files_identity(self.files)
 
     def total_bytes(self) -> int:
         return sum(t.nbytes for t in self.tensors.values())

@@ -12,7 +12,6 @@ A new kind is one decorated function in any imported module.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -25,7 +24,6 @@ if TYPE_CHECKING:
 
 Interval = tuple[int, int]
 Selection = tuple[tuple[Interval, ...], ...]
-
 
 
 def full_selection(shape: Sequence[int]) -> Selection:
@@ -248,10 +246,6 @@ def _packed_column(rule: Rule, suffix: str) -> ShardLoader:
     if rep is not None and not (isinstance(rep, list) and all(isinstance(x, bool) for x in rep)):
         raise PlanError(f"rule {rule.pattern!r}: packed_column `replicate_heads` must be a list of booleans")
     return PackedLoader(blocks, heads=heads, replicate_heads=rep)
-
-
-def selection_numel(sel: Selection) -> int:
-    return math.prod(selection_shape(sel))
 
 
 # --- parallel layers: the same kinds, on the trainer side ------------------------------------------

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +17,7 @@ from reshard.loaders import full_selection
 from reshard.plan import OutTensor, RankPlan, layout, segments_for, source_files
 from reshard.progress import Progress, add_progress_flags, human
 from reshard.shards import ShardSet
-from reshard.writer import atomic_file, remove_stale_temps, write_json_atomic, write_rank_file
+from reshard.writer import copy_atomic, remove_stale_temps, write_json_atomic, write_rank_file
 
 DEFAULT_MAX_FILE = 5 * 10**9
 
@@ -54,14 +53,13 @@ def merge(src: str | Path, out: str | Path, *, max_file_bytes: int = DEFAULT_MAX
     for fname, plan in plans:
         write_rank_file(plan, out / fname, on_bytes=bar.update)
     bar.close()
+    total = shards.total_bytes()  # every tensor whole: what the merged files hold
     if len(plans) > 1:
         weight_map = {t.name: fname for fname, p in plans for t in p.tensors}
-        total = sum(t.nbytes for _, p in plans for t in p.tensors)
         write_json_atomic(out / INDEX_NAME, {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))})
-    if (shards.root / CONFIG_NAME).is_file():
-        with atomic_file(out / CONFIG_NAME) as f, open(shards.root / CONFIG_NAME, "rb") as g:
-            shutil.copyfileobj(g, f)
-    return {"files": [f for f, _ in plans], "tensors": len(shards.tensors), "bytes": shards.total_bytes(), "tp": shards.tp}
+    if shards.config is not None:  # read (and validated) from config.json when the shards were opened
+        copy_atomic(shards.root / CONFIG_NAME, out / CONFIG_NAME)
+    return {"files": [f for f, _ in plans], "tensors": len(shards.tensors), "bytes": total, "tp": shards.tp}
 
 
 def cmd_merge(args: argparse.Namespace) -> int:

@@ -43,6 +43,11 @@ class Segment:
     def nbytes(self) -> int:
         return self.run * self.count
 
+    @property
+    def contiguous(self) -> bool:
+        """Its runs are back to back: one byte range of `file`."""
+        return self.count == 1 or self.stride == self.run
+
 
 @dataclass(frozen=True)
 class Interleave:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from reshard.errors import CheckpointError
-from reshard.format import FileInfo, GlobalTensor, Piece, _read_config, read_header
+from reshard.format import FileInfo, GlobalTensor, Piece, _read_config, files_identity, read_header
 from reshard.loaders import selection_shape
 from reshard.manifest import Manifest, Rule
 from reshard.plan import FORMAT
@@ -81,7 +81,7 @@ class ShardSet:
         return self.tensors
 
     def identity(self) -> dict[str, Any]:
-        return {"files": [{"name": f.path.name, "size": f.size, "mtime_ns": f.mtime_ns} for f in self.files]}
+        return files_identity(self.files)
 
     def total_bytes(self) -> int:
         return sum(t.nbytes for t in self.tensors.values())

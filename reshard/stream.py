@@ -30,7 +30,6 @@ class RankStream:
         self.size = plan.size
         self.chunk_size = chunk_size
         self._fds: dict[str, int] = {}
-        self._stat: dict[str, tuple[int, int]] = {}
         self._scratch: bytearray | None = None
         # flat index of pieces: (start offset in the output, piece); a piece is bytes or a Segment
         starts: list[int] = [0]
@@ -51,7 +50,6 @@ class RankStream:
                 st = os.fstat(fd)
                 if (st.st_size, st.st_mtime_ns) != tuple(key):
                     raise SourceChangedError(f"{path}: changed since it was planned (size {st.st_size}, planned {key[0]}); re-plan")
-                self._stat[path] = tuple(key)
         except OSError as e:
             self.close()
             raise SourceChangedError(f"{e.filename}: cannot open source: {e.strerror}") from None
@@ -95,14 +93,10 @@ class RankStream:
         for start, piece in zip(self._starts, self._pieces):
             if isinstance(piece, bytes):
                 yield start, len(piece), None
-            elif isinstance(piece, Segment) and piece.file is not None and (piece.count == 1 or piece.stride == piece.run):
+            elif isinstance(piece, Segment) and piece.file is not None and piece.contiguous:
                 yield start, piece.nbytes, (self._fds[piece.file], piece.offset)
             else:
                 yield start, piece.nbytes, None
-
-    def check_unchanged(self) -> None:
-        """Raise `SourceChangedError` if a source file changed since the stream opened."""
-        self._check_unchanged()
 
     def read_into(self, pos: int, out: memoryview) -> None:
         """Fill `out` with the stream's bytes starting at `pos`."""
@@ -124,12 +118,13 @@ class RankStream:
                 self._read_segment(piece, lo, dst)
             done += n
             i += 1
-        self._check_unchanged()
+        self.check_unchanged()
 
-    def _check_unchanged(self) -> None:
+    def check_unchanged(self) -> None:
+        """Raise `SourceChangedError` if a source file changed since the stream opened."""
         for path, fd in self._fds.items():
             st = os.fstat(fd)
-            if (st.st_size, st.st_mtime_ns) != self._stat[path]:
+            if (st.st_size, st.st_mtime_ns) != tuple(self.plan.files[path]):
                 raise SourceChangedError(f"{path}: changed while being read; re-plan and retry")
 
     def _pread(self, fd: int, dst: memoryview, offset: int, path: str) -> None:
@@ -144,10 +139,10 @@ class RankStream:
         """Bytes [lo, lo+len(dst)) of a source segment into dst."""
         assert seg.file is not None
         fd = self._fds[seg.file]
-        run, stride = seg.run, seg.stride
-        if seg.count == 1 or stride == run:
+        if seg.contiguous:
             self._pread(fd, dst, seg.offset + lo, seg.file)
             return
+        run, stride = seg.run, seg.stride
         pos, end = lo, lo + len(dst)
         while pos < end:
             r, within = divmod(pos, run)
@@ -165,7 +160,6 @@ class RankStream:
             src = np.lib.stride_tricks.as_strided(np.frombuffer(scratch, np.uint8), (k, run), (stride, 1))
             np.frombuffer(dst, np.uint8)[pos - lo : pos - lo + k * run].reshape(k, run)[...] = src
             pos += k * run
-
 
     def _read_interleave(self, il: Interleave, lo: int, dst: memoryview) -> None:
         """Bytes [lo, lo+len(dst)) of rows made of one run of each part: whole rows are gathered
@@ -200,9 +194,3 @@ class RankStream:
         if self._scratch is None or len(self._scratch) < n:
             self._scratch = bytearray(max(n, min(_SCRATCH, 1 << 20)))
         return memoryview(self._scratch)[:n]
-
-
-def iter_rank_bytes(plan: RankPlan, start: int = 0, end: int | None = None) -> Iterator[memoryview]:
-    """Convenience: open, stream [start, end), close."""
-    with RankStream(plan) as s:
-        yield from s.chunks(start, end)

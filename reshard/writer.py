@@ -29,7 +29,7 @@ TMP_PREFIX = ".tmp-"
 def atomic_file(path: Path) -> Iterator[IO[bytes]]:
     """Write `path` atomically: a temp file beside it, fsync, rename, fsync the directory."""
     path = Path(path)
-    tmp = path.with_name(f"{TMP_PREFIX}{os.getpid()}-{path.name}")
+    tmp = _tmp_path(path)
     try:
         with open(tmp, "wb") as f:
             yield f
@@ -41,6 +41,17 @@ def atomic_file(path: Path) -> Iterator[IO[bytes]]:
             os.unlink(tmp)
         raise
     fsync_dir(path.parent)
+
+
+def _tmp_path(path: Path) -> Path:
+    """The temp file beside `path` that this process writes before renaming (see `remove_stale_temps`)."""
+    return path.with_name(f"{TMP_PREFIX}{os.getpid()}-{path.name}")
+
+
+def copy_atomic(src: Path, dst: Path) -> None:
+    """Copy the file `src` to `dst` atomically."""
+    with atomic_file(dst) as f, open(src, "rb") as g:
+        shutil.copyfileobj(g, f)
 
 
 def fsync_dir(path: Path) -> None:
@@ -194,7 +205,7 @@ def _finish(tmp: Path, fd: int, hasher: _Hasher, path: Path) -> str:
 
 def _start(plan: RankPlan, path: Path, on_bytes: Callable[[int], None]) -> tuple[Path, int, _Hasher]:
     """Write a rank file's bytes to a temp file beside `path`, hashed as they land."""
-    tmp = path.with_name(f"{TMP_PREFIX}{os.getpid()}-{path.name}")
+    tmp = _tmp_path(path)
     fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o666)
     hasher = None
     try:
@@ -264,8 +275,7 @@ def write_shards(
     bar.close()
     fsync_dir(out)
     if ckpt.config is not None:
-        with atomic_file(out / CONFIG_NAME) as f, open(ckpt.root / CONFIG_NAME, "rb") as g:
-            shutil.copyfileobj(g, f)
+        copy_atomic(ckpt.root / CONFIG_NAME, out / CONFIG_NAME)
     record.update(
         format="reshard/1",
         tp=plan.tp,
