@@ -20,13 +20,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from reshard.errors import ReshardError
-
-if TYPE_CHECKING:
-    import torch
 from reshard.format import Checkpoint
 from reshard.merge import merge
 from reshard.progress import human
 from reshard.shards import ShardSet
+
+if TYPE_CHECKING:
+    import torch
 
 NAME = "demo-llama"
 
@@ -46,7 +46,7 @@ def step(msg: str) -> None:
 
 
 @contextmanager
-def process(cmd: list[str], *, what: str, log: Path | None = None, env: dict[str, str] | None = None):
+def process(cmd: list[str], *, log: Path | None = None, env: dict[str, str] | None = None):
     """Start `cmd` in its own process group; on exit stop the whole group."""
     out = open(log, "wb") if log else None
     proc = subprocess.Popen(cmd, stdout=out or None, stderr=subprocess.STDOUT if out else None,
@@ -173,7 +173,7 @@ def run_demo(workdir: Path, *, steps: int, tp: int, preset: str, seq_len: int, b
         step(f"2/6 starting the service on {base} (log: {logs / 'serve.log'})")
         serve = stack.enter_context(process(
             [sys.executable, "-m", "reshard.cli", "serve", "--root", str(ckpt_root), "--host", "127.0.0.1",
-             "--port", str(port), "--out", str(workdir / "jobs")], what="service", log=logs / "serve.log"))
+             "--port", str(port), "--out", str(workdir / "jobs")], log=logs / "serve.log"))
         wait_healthy(base, serve, logs / "serve.log")
         url = f"{base}/v1/checkpoints/{NAME}"
         step(f"3/6 torchrun: {tp} ranks pull their own shards from {url} and train {steps} steps")
@@ -182,7 +182,7 @@ def run_demo(workdir: Path, *, steps: int, tp: int, preset: str, seq_len: int, b
                "--master-port", str(free_port()), "-m", "reshard.train", "--shards", url, "--steps", str(steps),
                "--seq-len", str(seq_len), "--batch-size", str(batch_size), "--save", str(trained),
                "--metrics", str(workdir / "metrics.json")]
-        train = stack.enter_context(process(cmd, what="torchrun", env=env))
+        train = stack.enter_context(process(cmd, env=env))
         if train.wait() != 0:
             raise DemoError(f"the torchrun job failed with exit status {train.returncode}")
     step(f"4/6 merging the trained tp={tp} shards into {merged}")

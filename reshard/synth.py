@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -198,13 +199,6 @@ def state_dict_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
 def _generator(seed: int, name: str) -> torch.Generator:
     digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
     return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
@@ -281,8 +275,7 @@ def make_checkpoint(
     out.mkdir(parents=True, exist_ok=True)
     shapes = state_dict_shapes(config)
     names = list(shapes)
-    elem = torch.empty((), dtype=dtype).element_size()
-    sizes = [_numel(shapes[n]) * elem for n in names]
+    sizes = [math.prod(shapes[n]) * dtype.itemsize for n in names]
     assignment = split_into_files(sizes, num_files)
     if num_files == 1:
         file_names = ["model.safetensors"]

@@ -165,8 +165,12 @@ class ColumnParallelLinear(_TPModule):
             if self.bias is not None:
                 self.bias[first_pad:].zero_()
 
+    def forward_local(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of y (padded columns included), whatever `gather_output` says."""
+        return F.linear(copy_to_tp_region(x, self.group), self.weight, self.bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(copy_to_tp_region(x, self.group), self.weight, self.bias)
+        y = self.forward_local(x)
         if not self.gather_output:
             return y
         y = gather_from_tp_region(y, self.group)

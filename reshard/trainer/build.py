@@ -66,7 +66,7 @@ def build_model(
     """This rank's TP model (tp = the group's world size), filled from its rank shard of `source`."""
     tp, rank = tp_world_size(group), tp_rank(group)
     config, chunks, sha, name = open_rank_stream(source, rank, tp, token=token)
-    header, leftover = read_header_from(chunks, None, name)
+    header, leftover = read_header_from(chunks, name)
     if (header.tp, header.rank) != (tp, rank):
         raise CheckpointError(f"{name}: is rank {header.rank} of tp={header.tp}, expected {rank} of {tp}")
     model = LlamaForCausalLM(ModelConfig.from_hf(config), device="meta")

@@ -24,20 +24,15 @@ from reshard.tensors import TORCH_DTYPES
 class RankHeader:
     """A parsed rank-file header: tensor entries plus the shard's self-description."""
 
-    def __init__(self, raw: bytes, total: int | None, source: str) -> None:
-        if total is None:  # a stream of unknown length: the header says where the data ends
-            total = len(raw) + _data_end(raw)
-        self.raw, self.total, self.source = raw, total, source
-        self.entries, self.metadata = parse_header(raw, path=source, file_size=total)
+    def __init__(self, raw: bytes, source: str) -> None:
+        self.raw, self.source = raw, source
+        self.total = len(raw) + _data_end(raw)  # the stream's length, as the header says where the data ends
+        self.entries, self.metadata = parse_header(raw, path=source, file_size=self.total)
         try:
             self.tp, self.rank = int(self.metadata["tp"]), int(self.metadata["rank"])
             self.tensors: dict[str, dict[str, Any]] = json.loads(self.metadata["tensors"])
         except (KeyError, ValueError):
             raise HeaderError(f"{source}: not a reshard rank file (no tp/rank/tensors metadata)") from None
-
-    @property
-    def length(self) -> int:
-        return len(self.raw)
 
 
 def _data_end(raw: bytes) -> int:
@@ -48,7 +43,7 @@ def _data_end(raw: bytes) -> int:
         return 0  # parse_header will say what is wrong
 
 
-def read_header_from(chunks: Iterator[memoryview | bytes], total: int | None, source: str) -> tuple[RankHeader, bytearray]:
+def read_header_from(chunks: Iterator[memoryview | bytes], source: str) -> tuple[RankHeader, bytearray]:
     """Take bytes from `chunks` until the header is complete; return it and the bytes after it."""
     buf = bytearray()
     need = 8
@@ -62,10 +57,11 @@ def read_header_from(chunks: Iterator[memoryview | bytes], total: int | None, so
             if n > MAX_HEADER_BYTES:
                 raise HeaderError(f"{source}: header length {n} exceeds the {MAX_HEADER_BYTES}-byte limit")
             need = 8 + n
-    return RankHeader(bytes(buf[:need]), total, source), buf[need:]
+    return RankHeader(bytes(buf[:need]), source), buf[need:]
 
 
-def _byte_view(t: torch.Tensor) -> memoryview:
+def byte_view(t: torch.Tensor) -> memoryview:
+    """The bytes of a (contiguous, CPU, non-empty) tensor, without a copy."""
     return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy())
 
 
@@ -89,8 +85,9 @@ def fill_parameters(
         t = targets[name]
         if tuple(t.shape) != tuple(e["shape"]):
             raise PlanError(f"{header.source}: {name} has shape {e['shape']} in the shard, {list(t.shape)} in the model")
-        direct = t.device.type == "cpu" and t.dtype == TORCH_DTYPES[e["dtype"]] and t.is_contiguous()
-        plans.append((name, e, t, direct))
+        src_dtype = TORCH_DTYPES[e["dtype"]]
+        direct = t.device.type == "cpu" and t.dtype == src_dtype and t.is_contiguous()
+        plans.append((name, t, src_dtype, direct))
 
     def chunks() -> Iterator[memoryview]:
         if leftover:
@@ -100,10 +97,9 @@ def fill_parameters(
 
     it = chunks()
     pending = memoryview(b"")
-    for name, e, t, direct in plans:
-        src_dtype = TORCH_DTYPES[e["dtype"]]
+    for name, t, src_dtype, direct in plans:
         staging = t if direct else torch.empty(t.shape, dtype=src_dtype)
-        dst = _byte_view(staging) if staging.numel() else memoryview(bytearray())
+        dst = byte_view(staging) if staging.numel() else memoryview(bytearray())
         got = 0
         while got < len(dst):
             if not pending:
@@ -127,10 +123,9 @@ def fill_parameters(
         raise IntegrityError(f"{header.source}: sha256 {sha.hexdigest()} does not match the recorded {sha256}")
 
 
-def file_chunks(path: Path, start: int = 0, chunk: int = 8 << 20) -> Iterator[bytes]:
+def file_chunks(path: Path, chunk: int = 8 << 20) -> Iterator[bytes]:
     """A file's bytes; the first read is small, so taking the header off it copies little."""
     with open(path, "rb") as f:
-        f.seek(start)
         size = 1 << 20
         while data := f.read(size):
             yield data

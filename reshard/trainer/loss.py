@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from reshard.tp import ColumnParallelLinear, copy_to_tp_region, vocab_parallel_cross_entropy
+from reshard.tp import ColumnParallelLinear, vocab_parallel_cross_entropy
 
 
 def causal_lm_loss(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -14,7 +14,7 @@ def causal_lm_loss(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tens
     hidden = model.hidden_states(input_ids)
     head = model.lm_head
     if isinstance(head, ColumnParallelLinear):
-        logits = F.linear(copy_to_tp_region(hidden, head.group), head.weight, head.bias)
-        return vocab_parallel_cross_entropy(logits, labels, group=head.group, vocab_size=head.out_features)
+        return vocab_parallel_cross_entropy(head.forward_local(hidden), labels, group=head.group,
+                                            vocab_size=head.out_features)
     logits = head(hidden)
     return F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten())

@@ -393,7 +393,3 @@ def _fill_tied_head(module: nn.Module, state_dict: dict[str, Any], prefix: str, 
     if module.config.tie_word_embeddings and key not in state_dict and source in state_dict:
         state_dict[key] = state_dict[source]
 
-
-def num_parameters(model: nn.Module) -> int:
-    """Distinct parameter elements (a tied embedding counts once)."""
-    return sum(p.numel() for p in model.parameters())

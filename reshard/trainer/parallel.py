@@ -24,8 +24,7 @@ Spec = dict[str, Any]
 
 
 def _local_rows(spec: Spec) -> int:
-    sel = tuple(tuple(tuple(iv) for iv in dim) for dim in spec["select"])
-    return selection_shape(sel)[0]
+    return selection_shape(spec["select"])[0]
 
 
 class HeadReplicatedLinear(nn.Module):

@@ -6,14 +6,13 @@ import contextlib
 import math
 from pathlib import Path
 
-import torch
 from torch import nn
 
 from reshard.errors import PlanError
 from reshard.format import CONFIG_NAME, DTYPE_SIZES, encode_header
 from reshard.plan import data_order, rank_file_name, rank_metadata
 from reshard.tensors import DTYPE_NAMES
-from reshard.trainer.fill import RankHeader
+from reshard.trainer.fill import RankHeader, byte_view
 from reshard.writer import MANIFEST_NAME, atomic_file, write_json_atomic
 
 
@@ -44,7 +43,7 @@ def save_rank_shard(model: nn.Module, out_dir: str | Path, *, config: dict | Non
         for name in order:
             t = tensors[name].to("cpu").contiguous()
             if t.numel():
-                f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+                f.write(byte_view(t))
     if header.rank == 0:
         with contextlib.suppress(FileNotFoundError):
             (out / MANIFEST_NAME).unlink()  # an older record would no longer describe these files
