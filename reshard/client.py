@@ -132,8 +132,9 @@ class ShardClient:
         dest = Path(dest)
         part, meta = dest.with_name(f".{dest.name}.part"), dest.with_name(f".{dest.name}.part.json")
         head = self.head(rank, tp)
+        version = {"url": self.shard_url(rank), "tp": tp, "etag": head.etag}
         sha, start = hashlib.sha256(), 0
-        if resume and part.is_file() and _read_meta(meta) == {"url": self.shard_url(rank), "tp": tp, "etag": head.etag}:
+        if resume and part.is_file() and _read_meta(meta) == version:
             start = min(part.stat().st_size, head.size)
             with open(part, "rb") as f:  # the bytes already here count towards the digest
                 left = start
@@ -141,7 +142,7 @@ class ShardClient:
                     sha.update(block)
                     left -= len(block)
         else:
-            meta.write_text(json.dumps({"url": self.shard_url(rank), "tp": tp, "etag": head.etag}))
+            meta.write_text(json.dumps(version))
         bar = Progress(head.size, f"rank {rank}/{tp}", enabled=progress)
         bar.update(start)
         try:
@@ -216,9 +217,7 @@ class ShardClient:
                         raise _Retryable(f"connection closed at byte {pos} of {size}")
             except (httpx.TransportError, _Retryable) as e:
                 failures += 1
-                if failures > self.retries:
-                    raise ReshardError(f"{url}?tp={tp}: giving up after {self.retries} retries at byte {pos}: {e}") from None
-                time.sleep(min(self.backoff * 2 ** (failures - 1), 10.0))
+                self._wait_or_give_up(failures, f"{url}?tp={tp}: giving up after {self.retries} retries at byte {pos}: {e}")
         if size is None or pos != size:
             raise IntegrityError(f"{url}?tp={tp}: received {pos} bytes, expected {size}")
         if hasher.active and self.verify:
@@ -248,9 +247,13 @@ class ShardClient:
                 return r
             except (httpx.TransportError, _Retryable) as e:
                 failures += 1
-                if failures > self.retries:
-                    raise ReshardError(f"{self.url}: giving up after {self.retries} retries: {e}") from None
-                time.sleep(min(self.backoff * 2 ** (failures - 1), 10.0))
+                self._wait_or_give_up(failures, f"{self.url}: giving up after {self.retries} retries: {e}")
+
+    def _wait_or_give_up(self, failures: int, message: str) -> None:
+        """Back off before the next try (doubling, at most 10 s), or raise `message` after `retries` failures."""
+        if failures > self.retries:
+            raise ReshardError(message) from None
+        time.sleep(min(self.backoff * 2 ** (failures - 1), 10.0))
 
     @staticmethod
     def _check(r: httpx.Response) -> None:

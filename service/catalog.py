@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -23,6 +24,7 @@ from reshard.errors import ManifestError, NotFoundError, PlanError, RegistryErro
 from reshard.format import CONFIG_NAME, INDEX_NAME, Checkpoint
 from reshard.manifest import Manifest, resolve_manifest
 from reshard.plan import Plan, RankPlan, make_plan, resolve_rules
+from reshard.writer import write_json_atomic
 from service.errors import BadRequest
 from service.settings import Settings
 
@@ -61,9 +63,14 @@ class LRU(Generic[K, V]):
         return len(self._data)
 
 
-def check_name(name: str, *, what: str = "checkpoint name") -> str:
+def valid_name(name: str) -> bool:
     """A checkpoint name or manifest label: `^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$`, no `..`."""
-    if not isinstance(name, str) or not NAME_RE.fullmatch(name) or ".." in name:
+    return bool(NAME_RE.fullmatch(name)) and ".." not in name
+
+
+def check_name(name: str, *, what: str = "checkpoint name") -> str:
+    """`name` if `valid_name`, else 400 with what is allowed."""
+    if not isinstance(name, str) or not valid_name(name):
         raise BadRequest(
             f"{what} {name!r} is not allowed: use 1-128 letters, digits, '.', '_', '-', "
             "starting with a letter or digit, without '..' or path separators"
@@ -83,7 +90,6 @@ class Source:
     ckpt: Checkpoint
     manifest: Manifest
     key: StatKey
-    labels: tuple[str, ...] = ()
 
 
 @dataclass
@@ -106,10 +112,6 @@ class Catalog:
         self._stored: LRU[tuple[str, int, int], Manifest] = LRU(256)
 
     # --- paths -------------------------------------------------------------------------------
-
-    @staticmethod
-    def valid_name(name: str) -> bool:
-        return bool(NAME_RE.fullmatch(name)) and ".." not in name
 
     def directory(self, name: str, *, create: bool = False) -> Path:
         """The real path of checkpoint `name`; 404 when absent (unless `create`), 400 when it escapes."""
@@ -140,7 +142,7 @@ class Catalog:
                 st = os.stat(entry.path)
             except OSError:
                 continue
-            if os.path.isfile(entry.path):
+            if stat.S_ISREG(st.st_mode):
                 out.append((entry.name, st.st_size, st.st_mtime_ns, st.st_ino))
         return tuple(sorted(out))
 
@@ -148,7 +150,7 @@ class Catalog:
         """Checkpoint directories under the root (valid names, inside the root, with safetensors files)."""
         found = []
         for entry in sorted(os.scandir(self.root), key=lambda e: e.name):
-            if not NAME_RE.fullmatch(entry.name) or ".." in entry.name:
+            if not valid_name(entry.name):
                 continue
             try:
                 key = self.scan(self.directory(entry.name))
@@ -202,16 +204,18 @@ class Catalog:
     def source(self, name: str, *, rules: str | None = None) -> Source:
         """The checkpoint `name` and its manifest: `rules` (a stored label) if given, else the stored
         default, else a rules file in its directory, else its config.json tp_plan."""
-        entry, key = self._entry(name)
-        labels = tuple(self.stored_labels(name))
+        return self._source(name, *self._entry(name), rules)
+
+    def _source(self, name: str, entry: _Entry, key: StatKey, rules: str | None) -> Source:
         if rules is not None:
             manifest = self.stored_manifest(name, rules)
             if manifest is None:
-                raise NotFoundError(f"checkpoint {name!r} has no stored manifest {rules!r}; stored: {list(labels)}")
-            return Source(name, entry.ckpt, manifest, key, labels)
+                raise NotFoundError(f"checkpoint {name!r} has no stored manifest {rules!r}; "
+                                    f"stored: {self.stored_labels(name)}")
+            return Source(name, entry.ckpt, manifest, key)
         stored = self.stored_manifest(name, DEFAULT_LABEL)
         if stored is not None:
-            return Source(name, entry.ckpt, stored, key, labels)
+            return Source(name, entry.ckpt, stored, key)
         with entry.lock:
             if not entry.resolved:
                 try:
@@ -222,19 +226,13 @@ class Catalog:
         if entry.manifest is None:
             assert entry.manifest_error is not None
             raise entry.manifest_error
-        return Source(name, entry.ckpt, entry.manifest, key, labels)
+        return Source(name, entry.ckpt, entry.manifest, key)
 
     def describe(self, name: str, *, rules: str | None = None) -> dict[str, Any]:
         """The checkpoint JSON: files, tensors, config and where its manifest comes from."""
-        entry, _ = self._entry(name)
+        entry, key = self._entry(name)
+        rule_info = self._rules_info(name, entry, key, rules)
         ckpt = entry.ckpt
-        try:
-            src = self.source(name, rules=rules)
-            rule_info: dict[str, Any] = {"source": src.manifest.source, "digest": src.manifest.digest(),
-                                         "manifest": src.manifest.to_dict(), "error": None}
-        except (ManifestError, RegistryError, PlanError) as e:  # the checkpoint is still described
-            rule_info = {"source": None, "digest": None, "manifest": None, "error": str(e)}
-        rule_info["stored"] = self.stored_labels(name)
         return {
             "name": name,
             "files": [{"name": f.path.name, "size": f.size, "mtime_ns": f.mtime_ns} for f in ckpt.files],
@@ -244,6 +242,20 @@ class Catalog:
             "config": ckpt.config,
             "rules": rule_info,
         }
+
+    def rules_info(self, name: str, *, rules: str | None = None) -> dict[str, Any]:
+        """The `rules` part of `describe`: where the manifest comes from, or why none applies."""
+        return self._rules_info(name, *self._entry(name), rules)
+
+    def _rules_info(self, name: str, entry: _Entry, key: StatKey, rules: str | None) -> dict[str, Any]:
+        try:
+            src = self._source(name, entry, key, rules)
+            rule_info: dict[str, Any] = {"source": src.manifest.source, "digest": src.manifest.digest(),
+                                         "manifest": src.manifest.to_dict(), "error": None}
+        except (ManifestError, RegistryError, PlanError) as e:  # the checkpoint is still described
+            rule_info = {"source": None, "digest": None, "manifest": None, "error": str(e)}
+        rule_info["stored"] = self.stored_labels(name)
+        return rule_info
 
     # --- plans -------------------------------------------------------------------------------
 
@@ -269,8 +281,6 @@ class Catalog:
             make_plan(entry.ckpt, manifest, tp)
         path = self._stored_path(name, label)
         path.parent.mkdir(parents=True, exist_ok=True)
-        from reshard.writer import write_json_atomic
-
         write_json_atomic(path, manifest.to_dict())
         return {"name": name, "label": label, "digest": manifest.digest(), "warnings": warnings,
                 "manifest": manifest.to_dict()}
@@ -280,7 +290,7 @@ def allowed_upload(filename: str) -> str:
     """Upload targets: `*.safetensors` (a plain name), config.json or the index file."""
     if filename in (CONFIG_NAME, INDEX_NAME):
         return filename
-    if filename.endswith(".safetensors") and NAME_RE.fullmatch(filename) and ".." not in filename:
+    if filename.endswith(".safetensors") and valid_name(filename):
         return filename
     raise BadRequest(
         f"file name {filename!r} is not accepted: upload NAME.safetensors (letters, digits, '.', '_', '-'), "

@@ -10,6 +10,7 @@ from reshard.plan import MAX_TP
 from service.catalog import Catalog
 from service.jobs import JobManager
 from service.metrics import ServiceMetrics
+from service.schemas import NAME_PATTERN
 from service.settings import Settings
 from service.streaming import DigestCache, StreamContext
 
@@ -46,7 +47,6 @@ DigestsDep = Annotated[DigestCache, Depends(get_digests)]
 StreamDep = Annotated[StreamContext, Depends(get_stream_context)]
 
 # documented, not enforced by FastAPI: `service.catalog.check_name` answers 400 with an explanation
-NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_-]*(\.[A-Za-z0-9_-]+)*$"
 _NAME_DOC = {"pattern": NAME_PATTERN, "maxLength": 128}
 Name = Annotated[str, Path(description="checkpoint directory name under the root (no '..', no separators)",
                            json_schema_extra=_NAME_DOC)]

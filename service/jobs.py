@@ -22,7 +22,7 @@ import time
 import uuid
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -62,21 +62,17 @@ class Job:
     finished_at: float | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "id": self.id, "checkpoint": self.checkpoint, "tp": self.tp, "ranks": self.ranks,
-            "rules": self.rules, "plan": self.plan, "state": self.state, "bytes_done": self.bytes_done,
-            "bytes_total": self.bytes_total, "output_dir": str(self.output_dir), "outputs": list(self.outputs),
-            "error": self.error, "created_at": self.created_at, "started_at": self.started_at,
-            "finished_at": self.finished_at,
-        }
+        """Every field (the saved record and the `JobOut` body); `output_dir` as a string."""
+        obj = {f.name: getattr(self, f.name) for f in fields(self)}
+        obj.update(output_dir=str(self.output_dir), outputs=list(self.outputs))
+        return obj
 
     @classmethod
     def from_json(cls, obj: dict[str, Any]) -> Job:
-        fields = {k: obj[k] for k in ("id", "checkpoint", "tp", "ranks", "rules", "plan", "bytes_total", "state",
-                                      "bytes_done", "outputs", "error", "created_at", "started_at", "finished_at")}
-        if fields["state"] not in STATES or not isinstance(fields["id"], str):
+        values = {f.name: obj[f.name] for f in fields(cls)}
+        if values["state"] not in STATES or not isinstance(values["id"], str):
             raise ValueError(f"bad job record {obj!r:.200}")
-        return cls(output_dir=Path(obj["output_dir"]), **fields)
+        return cls(**{**values, "output_dir": Path(values["output_dir"])})
 
     def interrupt(self) -> None:
         self.state, self.finished_at = "failed", time.time()
@@ -159,10 +155,11 @@ class JobManager:
 
     def _recover(self) -> None:
         """Load saved jobs; those a stopped server left queued or running are marked failed."""
+        if not self._state_dir.is_dir():
+            return
+        remove_stale_temps(self._state_dir)
         jobs = []
-        if self._state_dir.is_dir():
-            remove_stale_temps(self._state_dir)
-        for path in sorted(self._state_dir.glob("*.json")) if self._state_dir.is_dir() else ():
+        for path in sorted(self._state_dir.glob("*.json")):
             try:
                 job = Job.from_json(json.loads(path.read_text(encoding="utf-8")))
             except (OSError, ValueError, KeyError, TypeError) as e:

@@ -8,6 +8,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from reshard.plan import MAX_TP
 
+# checkpoint names and manifest labels as documented in the OpenAPI description (and enforced for JobIn.rules)
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_-]*(\.[A-Za-z0-9_-]+)*$"
+
 
 class Health(BaseModel):
     status: Literal["ok"] = "ok"
@@ -136,7 +139,7 @@ class JobIn(BaseModel):
     ranks: list[Annotated[int, Field(ge=0, lt=MAX_TP, strict=True)]] | None = Field(
         None, min_length=1, max_length=MAX_TP, description="default: every rank")
     rules: str | None = Field(None, description="label of a stored manifest; default: the checkpoint's manifest",
-                              pattern=r"^[A-Za-z0-9][A-Za-z0-9_-]*(\.[A-Za-z0-9_-]+)*$", max_length=128)
+                              pattern=NAME_PATTERN, max_length=128)
 
 
 class JobOut(BaseModel):

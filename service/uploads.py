@@ -20,9 +20,9 @@ from typing import Any
 import anyio.to_thread
 
 from reshard.errors import CheckpointError, HeaderError
-from reshard.format import CONFIG_NAME, INDEX_NAME, read_header
+from reshard.format import INDEX_NAME, read_header
 from reshard.writer import fsync_dir
-from service.catalog import Catalog, allowed_upload
+from service.catalog import Catalog, allowed_upload, valid_name
 from service.errors import Conflict, PayloadTooLarge
 
 _FLUSH = 4 << 20
@@ -49,8 +49,6 @@ def _validate(path: Path, filename: str) -> dict[str, Any]:
         bad = [v for v in wm.values() if Path(v).name != v or not v.endswith(".safetensors")]
         if bad:
             raise CheckpointError(f"{filename}: weight_map names {bad[0]!r}, not a plain *.safetensors file name")
-    elif filename == CONFIG_NAME:
-        pass
     return {}
 
 
@@ -62,7 +60,7 @@ async def receive_upload(
     allowed_upload(filename)
     if content_length is not None and content_length > max_bytes:
         raise PayloadTooLarge(f"{filename}: {content_length} bytes exceeds the {max_bytes}-byte upload limit")
-    new_dir = not os.path.lexists(catalog.root / name) if catalog.valid_name(name) else False
+    new_dir = not os.path.lexists(catalog.root / name) if valid_name(name) else False
     directory = catalog.directory(name, create=True)
     final = directory / filename
     if final.is_dir() and not final.is_symlink():

@@ -69,7 +69,7 @@ def get_plan(name: Name, tp: TP, catalog: CatalogDep, rules: Rules = None,
     responses=error_responses(400, 401, 404, 422),
 )
 def get_rules(name: Name, catalog: CatalogDep, label: Rules = None) -> dict[str, Any]:
-    return catalog.describe(name, rules=label)["rules"]
+    return catalog.rules_info(name, rules=label)
 
 
 @router.put(
