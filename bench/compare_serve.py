@@ -20,7 +20,7 @@ from typing import Any
 
 from bench.compare_write import reshard_bin
 from bench.interleave import Case, interleave
-from bench.measure import Result
+from bench.measure import Result, median
 from bench.servers import (
     ensure_nginx,
     fileserver_argv,
@@ -125,7 +125,7 @@ def run_serve(src: Path, work: Path, *, full: bool, reps: int) -> list[dict[str,
             # single transfers take a fraction of a second: more rounds for the same noise
             res = interleave(title, cases, reps=reps if len(ranks) > 1 else max(reps, 7), baseline="nginx")
             for name, c in res["cases"].items():
-                c["median_mb_s"] = sorted(r["mb_s"] for r in c["runs"])[len(c["runs"]) // 2]
+                c["median_mb_s"] = median(r["mb_s"] for r in c["runs"])
                 c["note"] = next(x.note for x in cases if x.name == name)
             res.update(variant=variant, ranks=ranks, tp=TP)
             results.append(res)
