@@ -65,6 +65,8 @@ def quantize_tensor(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def dequant_ref(q: torch.Tensor, scale: torch.Tensor, block: tuple[int | None, int | None]) -> torch.Tensor:
     """q * scale with each scale entry repeated over its block (None: the whole dim), cropped to q."""
     s = scale.float()
+    if s.numel() == 1:  # per tensor
+        return q.float() * s.reshape(())
     for d, b in enumerate(block):
         s = s.repeat_interleave(b, d) if b else s.expand(*[q.shape[d] if i == d else -1 for i in range(s.dim())])
         s = s.narrow(d, 0, q.shape[d])
