@@ -49,28 +49,26 @@ def twin(rule: Rule, scheme: Scheme, weights: frozenset[str]) -> FollowRule:
                       rule.regex, weights)
 
 
-def quantized_rules(rules: list[Rule], config: dict[str, Any] | None, names: Iterable[str], *,
-                    strict: bool = False) -> list[Rule]:
+def quantized_rules(rules: list[Rule], config: dict[str, Any] | None, names: Iterable[str]) -> list[Rule]:
     """`rules` for the checkpoint `config` describes: unchanged unless it is quantized (see the module)."""
     scheme = scheme_from_config(config)
     names = list(names)
     weights = quantized_weights(names) if scheme else frozenset()
     if not weights:
         return rules
+    plain = [n for n in names if n not in weights and weight_of(n) not in weights]
     out: list[Rule] = []
-    taken: set[str] = set()
+    left = set(weights)  # first match wins: a weight an earlier rule took is not another's
     for rule in rules:
         if rule.kind.endswith("_fp8"):  # already explicit
             out.append(rule)
             continue
-        mine = frozenset(w for w in weights - taken if rule.matches(w))
+        mine = frozenset(w for w in left if rule.matches(w))
         if mine:
             out.append(twin(rule, scheme, mine))
-            taken |= mine
-        follows = mine | {n for n in names if weight_of(n) in mine}
-        if not mine or any(rule.matches(n) for n in names if n not in follows):
+            left -= mine
+        if not mine or any(rule.matches(n) for n in plain):  # the rule still serves others (biases)
             out.append(rule)
-    rest = weights - taken
-    if rest and not strict:
-        out.append(twin(Rule("*", "replicate"), scheme, frozenset(rest)))
+    if left:
+        out.append(twin(Rule("*", "replicate"), scheme, frozenset(left)))
     return out

@@ -89,11 +89,9 @@ def scheme_from_config(config: dict[str, Any] | None) -> Scheme | None:
 
 @register_quant_method("fp8")
 def _fp8(qc: dict[str, Any]) -> Scheme:
-    """Block-wise FP8 (`weight_block_size` [B0, B1], scale `weight_scale_inv` [ceil(out/B0), ceil(in/B1)]),
-    or per-tensor FP8 without a block size."""
-    block = qc.get("weight_block_size")
-    if block is None:
-        return Scheme("fp8", (None, None))
+    """Block-wise FP8: `weight_block_size` [B0, B1] (transformers' default [128, 128] when absent),
+    scale `weight_scale_inv` [ceil(out/B0), ceil(in/B1)]."""
+    block = qc.get("weight_block_size") or [128, 128]
     return Scheme("fp8", check_block(block, "config.json quantization_config.weight_block_size"))
 
 
