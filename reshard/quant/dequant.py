@@ -68,12 +68,17 @@ class Dequantizer:
         self.tensors = tensors
         self.weights: dict[str, str] = {}  # quantized weight -> its scale
         for name, desc in tensors.items():
-            if not desc.get("kind", "").endswith(SUFFIX) or not name.endswith(".weight"):
-                continue
             stem = name[: -len(".weight")]
             scale = next((stem + s for s in SCALE_SUFFIXES if stem + s in tensors), None)
-            if scale is not None and dtypes.get(name) in FP8:
-                self.weights[name] = scale
+            if not name.endswith(".weight") or scale is None or dtypes.get(name) not in FP8:
+                continue
+            if not desc.get("kind", "").endswith(SUFFIX):
+                raise PlanError(
+                    f"{name}: FP8 with {scale} beside it, but its kind {desc.get('kind')!r} records no scale "
+                    "block; write the shards from a checkpoint whose config.json has its quantization_config, "
+                    f"or with a rules file using kind {desc.get('kind')}_fp8 and `block`"
+                )
+            self.weights[name] = scale
         self.companions = {stem + s for w in self.weights for stem in [w[: -len(".weight")]]
                            for s in COMPANION_SUFFIXES if stem + s in tensors}
         self._scale_of = {s: w for w, s in self.weights.items()}  # scale -> its weight

@@ -73,14 +73,16 @@ def dequant_ref(q: torch.Tensor, scale: torch.Tensor, block: tuple[int | None, i
     return q.float() * s
 
 
-def fp8_checkpoint(path: Path, config: dict[str, Any], qc: dict[str, Any], *, seed: int = 0) -> Path:
-    """A random bf16 checkpoint for `config` (reshard.synth), its linear weights quantized as `qc` says."""
+def fp8_checkpoint(path: Path, config: dict[str, Any], qc: dict[str, Any], *, seed: int = 0,
+                   keep: tuple[str, ...] = ()) -> Path:
+    """A random bf16 checkpoint for `config` (reshard.synth), its linear weights quantized as `qc` says
+    (but for the weights in `keep`, as `modules_to_not_convert` leaves them)."""
     make_checkpoint(path, config, dtype=torch.bfloat16, seed=seed, std=0.05)
     state = load_file(path / "model.safetensors")
     gen = torch.Generator().manual_seed(seed)
     out: dict[str, torch.Tensor] = {}
     for name, w in state.items():
-        if not LINEAR.fullmatch(name):
+        if not LINEAR.fullmatch(name) or name in keep:
             out[name] = w
             continue
         stem = name[: -len(".weight")]

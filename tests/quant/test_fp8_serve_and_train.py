@@ -107,3 +107,14 @@ def test_a_model_started_from_fp8_saves_and_merges_dequantized(train_dirs: dict[
     assert merged.keys() == expected.keys()  # no scales
     for name, t in expected.items():
         assert torch.equal(merged[name], t), name
+
+
+def test_fp8_shards_without_a_recorded_block_are_refused_not_cast(train_dirs: dict[str, Path], tmp_path: Path) -> None:
+    """Shards written by a rules file of plain kinds hold FP8 weights with no scale block: filling
+    them would cast FP8 codes without their scales, so it is an error."""
+    rules = tmp_path / "plain.yaml"
+    rules.write_text("rules: []\n")
+    fp8 = train_dirs["block-fp8-tp1"].parent / "block-fp8"
+    out = write(fp8, 1, tmp_path / "plain", "--rules", str(rules))
+    with pytest.raises(PlanError, match=r"weight: FP8 with .*weight_scale_inv beside it, but its kind 'replicate'"):
+        build_model(out, dtype=torch.float32)

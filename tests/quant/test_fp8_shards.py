@@ -207,6 +207,27 @@ def test_unquantized_checkpoint_with_a_quantization_config_plans_as_before(tmp_p
     assert {t.kind for t in plan.ranks[0].tensors} == {"column", "row", "vocab_embed", "replicate"}
 
 
+def test_unquantized_modules_and_biases_keep_their_plain_rule(tmp_path: Path) -> None:
+    """qwen2 (q/k/v biases) with layer 1's down_proj left in bf16: that weight and every bias keep the
+    plain kind, the quantized weights of the same rules get the `_fp8` twin."""
+    cfg = llama_config(model_type="qwen2", hidden_size=256, num_attention_heads=2, head_dim=128,
+                       num_key_value_heads=2, intermediate_size=256, num_hidden_layers=2)
+    kept = "model.layers.1.mlp.down_proj.weight"
+    src = fp8_checkpoint(tmp_path / "ckpt", cfg, BLOCK_QC, keep=(kept,))
+    full = load_file(src / "model.safetensors")
+    out = write(src, 2, tmp_path / "tp2")
+    for rank in range(2):
+        local, desc = rank_file(out / rank_file_name(rank, 2))
+        assert desc[kept]["kind"] == "row" and local[kept].dtype == torch.bfloat16
+        assert torch.equal(local[kept], full[kept].chunk(2, dim=1)[rank])
+        assert desc["model.layers.0.mlp.down_proj.weight"]["kind"] == "row_fp8"
+        for layer in (0, 1):
+            bias = f"model.layers.{layer}.self_attn.q_proj.bias"
+            assert desc[bias]["kind"] == "column"
+            assert torch.equal(local[bias], full[bias].chunk(2)[rank])
+            assert desc[f"model.layers.{layer}.self_attn.q_proj.weight_scale_inv"]["kind"] == "column_fp8"
+
+
 def test_misaligned_scale_rules_name_the_rule(tmp_path: Path) -> None:
     src = fp8_checkpoint(tmp_path / "ckpt", llama_config(num_hidden_layers=1), BLOCK_QC)
     rules = tmp_path / "r.yaml"
