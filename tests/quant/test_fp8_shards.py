@@ -228,6 +228,22 @@ def test_unquantized_modules_and_biases_keep_their_plain_rule(tmp_path: Path) ->
             assert desc[f"model.layers.{layer}.self_attn.q_proj.weight_scale_inv"]["kind"] == "column_fp8"
 
 
+def test_a_replicated_quantized_weight_keeps_its_full_scale(tmp_path: Path) -> None:
+    """A tp_plan without o_proj: o_proj's FP8 weight and its scale go whole to every rank (replicate_fp8)."""
+    plan = {"layers.*.self_attn.q_proj": "colwise", "layers.*.mlp.down_proj": "rowwise"}
+    cfg = llama_config(hidden_size=256, num_attention_heads=2, head_dim=128, num_key_value_heads=2,
+                       intermediate_size=256, num_hidden_layers=1, base_model_tp_plan=plan)
+    src = fp8_checkpoint(tmp_path / "ckpt", cfg, BLOCK_QC)
+    full = load_file(src / "model.safetensors")
+    out = write(src, 2, tmp_path / "tp2")
+    for rank in range(2):
+        local, desc = rank_file(out / rank_file_name(rank, 2))
+        for name in ("model.layers.0.self_attn.o_proj.weight", "model.layers.0.self_attn.o_proj.weight_scale_inv"):
+            assert desc[name]["kind"] == "replicate_fp8" and same_bytes(local[name], full[name]), name
+        assert same_bytes(local["model.layers.0.mlp.down_proj.weight_scale_inv"],
+                          full["model.layers.0.mlp.down_proj.weight_scale_inv"][:, rank : rank + 1])
+
+
 def test_misaligned_scale_rules_name_the_rule(tmp_path: Path) -> None:
     src = fp8_checkpoint(tmp_path / "ckpt", llama_config(num_hidden_layers=1), BLOCK_QC)
     rules = tmp_path / "r.yaml"
