@@ -16,7 +16,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from reshard.synth import make_checkpoint
+from reshard.cli import main
+from reshard.synth import llama_config, make_checkpoint
 
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
 LINEAR = re.compile(r".*\.(q|k|v|o|qkv|gate|up|down|gate_up)_proj\.weight")
@@ -118,4 +119,23 @@ def dequantized_state(path: Path, qc: dict[str, Any]) -> dict[str, torch.Tensor]
             out[name] = dequant_ref(t, scale, block_of(qc))
         elif not name.endswith(("_scale", "_scale_inv")):
             out[name] = t.float()
+    return out
+
+
+# in=320 (hidden) is 2.5 blocks of 128: the column weights' partial ceil blocks; 8 heads of 128, 2 kv heads
+_BASE = {"hidden_size": 320, "num_attention_heads": 8, "head_dim": 128, "num_key_value_heads": 2,
+         "intermediate_size": 1024, "num_hidden_layers": 1, "vocab_size": 256}
+# name -> (config, quantization_config); every tp in {1, 2, 4, 8} splits these on block edges
+CASES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
+    "block": (llama_config(**_BASE), BLOCK_QC),
+    "block_phi3": (llama_config(model_type="phi3", **_BASE), BLOCK_QC),  # fused qkv_proj / gate_up_proj
+    # per-channel needs no block edges: an intermediate size of 1000 splits at tp=8 (125 rows each)
+    "channel": (llama_config(**{**_BASE, "intermediate_size": 1000}), ct_qc("channel")),
+    "tensor": (llama_config(**_BASE), ct_qc("tensor", static_input=True)),
+}
+TPS = (1, 2, 4, 8)
+
+
+def write(src: Path, tp: int, out: Path, *extra: str) -> Path:
+    assert main(["write", str(src), "--tp", str(tp), "-o", str(out), "--no-progress", *extra]) == 0
     return out

@@ -11,8 +11,7 @@ import pytest
 import torch
 from _dist import run_distributed
 from _live import live_server
-from conftest import write
-from fp8_ckpt import BLOCK_QC, ct_qc, dequantized_state, fp8_checkpoint
+from fp8_ckpt import BLOCK_QC, ct_qc, dequantized_state, fp8_checkpoint, write
 from safetensors.torch import load_file, save_file
 
 from reshard.errors import PlanError

@@ -9,8 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import CASES, TPS, write
-from fp8_ckpt import BLOCK_QC, block_of, dequant_ref, dequantized_state, fp8_checkpoint
+from fp8_ckpt import BLOCK_QC, CASES, TPS, block_of, dequant_ref, dequantized_state, fp8_checkpoint, write
 from safetensors import safe_open
 from safetensors.torch import load_file
 
