@@ -56,19 +56,20 @@ def quantized_rules(rules: list[Rule], config: dict[str, Any] | None, names: Ite
     weights = quantized_weights(names) if scheme else frozenset()
     if not weights:
         return rules
+    first: dict[int, set[str]] = {}  # rule index -> the quantized weights it is the first match of
+    rest = set()
+    for w in weights:
+        i = next((i for i, rule in enumerate(rules) if rule.matches(w)), None)
+        (rest if i is None else first.setdefault(i, set())).add(w)
     plain = [n for n in names if n not in weights and weight_of(n) not in weights]
     out: list[Rule] = []
-    left = set(weights)  # first match wins: a weight an earlier rule took is not another's
-    for rule in rules:
-        if rule.kind.endswith("_fp8"):  # already explicit
-            out.append(rule)
-            continue
-        mine = frozenset(w for w in left if rule.matches(w))
-        if mine:
+    for i, rule in enumerate(rules):
+        mine = frozenset(first.get(i, ()))
+        explicit = rule.kind.endswith("_fp8")
+        if mine and not explicit:
             out.append(twin(rule, scheme, mine))
-            left -= mine
-        if not mine or any(rule.matches(n) for n in plain):  # the rule still serves others (biases)
+        if explicit or not mine or any(rule.matches(n) for n in plain):  # the rule still serves others (biases)
             out.append(rule)
-    if left:
-        out.append(twin(Rule("*", "replicate"), scheme, frozenset(left)))
+    if rest:
+        out.append(twin(Rule("*", "replicate"), scheme, frozenset(rest)))
     return out
