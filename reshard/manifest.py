@@ -222,6 +222,9 @@ def from_config(config: dict[str, Any], tensor_names: Iterable[str] = ()) -> Man
             rules.append(Rule(name, kind, options))
     if names:
         rules = [r for r in rules if r.regex or any(r.matches(n) for n in names)]
+    from reshard.quant.rules import quantized_rules  # quantized checkpoints: scales follow their weights
+
+    rules = quantized_rules(rules, config, names)
     return Manifest(tuple(rules), False, source)
 
 

@@ -78,7 +78,7 @@ def build_model(
     model.tie_weights()
     model.rank_header = header  # what `save_rank_shard` describes the saved file with
     model.hf_config = config
-    fill_parameters(header, chunks, dict(model.named_parameters()), sha256=sha, leftover=leftover)
+    fill_parameters(header, chunks, dict(model.named_parameters()), sha256=sha, leftover=leftover, keep=dtype is None)
     return model
 
 

@@ -18,6 +18,7 @@ import torch
 
 from reshard.errors import HeaderError, IntegrityError, PlanError
 from reshard.format import MAX_HEADER_BYTES, parse_header
+from reshard.quant.dequant import Dequantizer
 from reshard.tensors import TORCH_DTYPES
 
 
@@ -67,25 +68,28 @@ def byte_view(t: torch.Tensor) -> memoryview:
 
 def fill_parameters(
     header: RankHeader, rest: Iterable[memoryview | bytes], targets: dict[str, torch.Tensor], *,
-    sha256: str | None = None, leftover: bytes | bytearray = b"",
+    sha256: str | None = None, leftover: bytes | bytearray = b"", keep: bool = False,
 ) -> None:
     """Copy every tensor of the stream into `targets[name]` (materialized, contiguous, same shape).
 
     `leftover` is what came after the header in its chunk; `rest` yields the remaining bytes.
-    With `sha256`, the whole stream (header included) must hash to it.
+    With `sha256`, the whole stream (header included) must hash to it. FP8 weights are dequantized
+    into their parameters' dtype (`reshard.quant.dequant`); with `keep` they are an error instead.
     """
     order = sorted(header.entries.items(), key=lambda kv: kv[1]["data_offsets"][0])
+    quant = Dequantizer(header.tensors, {k: TORCH_DTYPES[e["dtype"]] for k, e in header.entries.items()})
     missing = sorted(set(targets) - set(header.entries))
-    extra = sorted(set(header.entries) - set(targets))
+    extra = sorted(set(header.entries) - set(targets) - quant.companions)
     if missing or extra:
         raise PlanError(f"{header.source}: shard and model disagree: missing {missing[:3]}, unexpected {extra[:3]}")
     sha = hashlib.sha256(header.raw) if sha256 else None
     plans = []
     for name, e in order:
-        t = targets[name]
+        src_dtype = TORCH_DTYPES[e["dtype"]]
+        t = targets[name] if name in targets else torch.empty(e["shape"], dtype=src_dtype, device="meta")  # a scale
         if tuple(t.shape) != tuple(e["shape"]):
             raise PlanError(f"{header.source}: {name} has shape {e['shape']} in the shard, {list(t.shape)} in the model")
-        src_dtype = TORCH_DTYPES[e["dtype"]]
+        quant.check_target(name, t, keep=keep)
         direct = t.device.type == "cpu" and t.dtype == src_dtype and t.is_contiguous()
         plans.append((name, t, src_dtype, direct))
 
@@ -115,12 +119,14 @@ def fill_parameters(
             got += n
         if not direct:
             with torch.no_grad():
-                t.copy_(staging)
+                for target, value in quant.feed(name, staging):  # an FP8 weight: dequantized
+                    targets[target].copy_(value)
     # exhaust the stream (an HTTP client verifies its digest at the end); nothing may follow
     if len(pending) or any(len(c) for c in it):
         raise IntegrityError(f"{header.source}: bytes after the last tensor")
     if sha is not None and sha.hexdigest() != sha256:
         raise IntegrityError(f"{header.source}: sha256 {sha.hexdigest()} does not match the recorded {sha256}")
+    header.tensors = quant.dequantized()  # what the model now holds, for `save_rank_shard`
 
 
 def file_chunks(path: Path, chunk: int = 8 << 20) -> Iterator[bytes]:
