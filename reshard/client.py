@@ -135,7 +135,7 @@ class ShardClient:
         part, meta = dest.with_name(f".{dest.name}.part"), dest.with_name(f".{dest.name}.part.json")
         head = self.head(rank, tp)
         retry = f"run the same pull again (it resumes from {part.name})"
-        prepare_dir(dest.parent)
+        prepare_dir(dest.parent, for_file=dest)
         if dest.is_dir():
             raise OutputPathError(f"{dest}: is a directory; give the file to write, e.g. {dest / rank_file_name(rank, tp)}")
         version = {"url": self.shard_url(rank), "tp": tp, "etag": head.etag}

@@ -111,12 +111,15 @@ def output_errors(path: str | os.PathLike[str], *, retry: str = "run it again") 
         raise err from e
 
 
-def prepare_dir(path: str | os.PathLike[str]) -> Path:
-    """`mkdir -p path`, an output path that names a file or lies under one being an `OutputPathError`."""
+def prepare_dir(path: str | os.PathLike[str], *, for_file: str | os.PathLike[str] | None = None) -> Path:
+    """`mkdir -p path`, an output path that names a file or lies under one being an `OutputPathError`.
+    `for_file`: the file that will be written in `path` (named in the error instead of `path`)."""
     out = Path(path)
     if out.exists() and not out.is_dir():
+        if for_file is not None:
+            raise OutputPathError(f"{for_file}: {out} is a file, not a directory; give an output path whose parents are directories")
         raise OutputPathError(f"{out}: exists and is not a directory; give a directory (new or existing) "
                               "as the output, or move the file away")
-    with output_errors(out):
+    with output_errors(for_file if for_file is not None else out):
         out.mkdir(parents=True, exist_ok=True)
     return out
