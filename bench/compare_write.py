@@ -1,4 +1,6 @@
-"""Comparisons 1 and 2: `reshard write` against `cp -r` and two hand-written scripts; its peak memory.
+"""Comparisons 1 and 2: `reshard write` against `cp -r`, `cp -r + sync + sha256sum` (the same work:
+copy, fsync and hash every output file; the target is <= 1.0x of it) and two hand-written scripts;
+its peak memory.
 
 All outputs go to the same filesystem as the checkpoint (under `bench/data/work`); each output is
 removed and dirty pages are flushed (`sync`) before every run, outside the timing. Every command
@@ -18,6 +20,7 @@ from bench.data import weight_bytes
 from bench.interleave import Case, drop_dirty, interleave
 
 BASELINES = str(Path(__file__).resolve().parent / "baselines.py")
+SAME_WORK = "cp -r + sync + sha256sum"  # the write-speed target's baseline: reshard write <= 1.0x of it
 
 
 def reshard_bin() -> str:
@@ -57,6 +60,9 @@ def write_cases(src: Path, work: Path, tp: int, *, scripts: bool = True, cp_sync
         out = work / "cp-sync"
         add("cp -r + sync files", ["sh", "-c", f'cp -r "{src}" "{out}" && sync "{out}"/*'], out,
             "cp -r, then fsync of every copied file (durability like reshard's)")
+    out = work / "cp-sync-sha"
+    add(SAME_WORK, ["sh", "-c", f'cp -r "{src}" "{out}" && sync "{out}"/* && sha256sum "{out}"/* > /dev/null'], out,
+        "the same work as reshard write: copy, fsync and sha256 of every output file")
     out = work / f"reshard-tp{tp}"
     add(f"reshard write --tp {tp}", [rs, "write", str(src), "--tp", str(tp), "-o", str(out), "--no-progress"], out,
         "fsync + sha256 of every rank file, atomic rename")
