@@ -174,7 +174,7 @@ def _job(srv: LiveServer) -> dict[str, Any]:
     return job
 
 
-@pytest.mark.parametrize("fault", ["full", "read-only"])
+@pytest.mark.parametrize("fault", ["full", "read-only", "out-is-a-file"])
 def test_job_fails_with_typed_error_then_succeeds(svc: tuple[Mount, LiveServer], reference: dict[str, Path],
                                                   fault: str) -> None:
     m, srv = svc
@@ -183,11 +183,17 @@ def test_job_fails_with_typed_error_then_succeeds(svc: tuple[Mount, LiveServer],
         m.fill(leave=1 << 20)
         job = _job(srv)
         want = ("NoSpaceError", f"MB in {out}, ")
-    else:
+    elif fault == "read-only":
         (m.path / "svc" / "out").mkdir(exist_ok=True)
         with m.readonly():
             job = _job(srv)
         want = ("ReadOnlyError", "read-only file system")
+    else:
+        out.parent.mkdir(parents=True)
+        out.write_bytes(b"in the way")
+        job = _job(srv)
+        want = ("OutputPathError", f"{out}: exists and is not a directory")
+        out.unlink()
     assert job["state"] == "failed", job
     assert job["error"]["error"] == want[0] and want[1] in job["error"]["detail"], job
     assert leftovers(m.path / "svc") == [] and (not out.exists() or listing(out) == [])
