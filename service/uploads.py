@@ -77,7 +77,7 @@ async def _receive(
         raise PayloadTooLarge(f"{filename}: {content_length} bytes exceeds the {max_bytes}-byte upload limit")
     new_dir = not os.path.lexists(catalog.root / name) if valid_name(name) else False
     if content_length is not None:
-        check_space(catalog.root, content_length, fix=f"free some space on the server, then {_RETRY}")
+        check_space(catalog.root / name, content_length, fix=f"free some space on the server, then {_RETRY}")
     directory = catalog.directory(name, create=True)
     final = directory / filename
     if final.is_dir() and not final.is_symlink():

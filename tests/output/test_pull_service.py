@@ -137,7 +137,9 @@ def test_upload_without_room_answers_507(svc: tuple[Mount, LiveServer], referenc
     m, srv = svc
     data = (reference["write"] / RANK1).read_bytes()
     m.fill(leave=1 << 20)
-    _error(_upload(srv, data), 507, "NoSpaceError", f"needs {len(data) / 1e6:.1f} MB in", "MB free")
+    r = _upload(srv, data)
+    _error(r, 507, "NoSpaceError", f"needs {len(data) / 1e6:.1f} MB in up, ", "MB free")
+    assert str(m.path) not in r.text  # the served root is not shown
     m.fill(leave=0)
 
     def chunks() -> Iterator[bytes]:  # no Content-Length: the disk runs out while the body arrives
