@@ -1,4 +1,6 @@
-"""Comparisons 1 and 2: `reshard write` against `cp -r` and two hand-written scripts; its peak memory.
+"""Comparisons 1 and 2: `reshard write` against `cp -r`, `cp -r + sync + sha256sum` (the same work:
+copy, fsync and hash every output file; the target is <= 1.0x of it) and two hand-written scripts;
+its peak memory.
 
 All outputs go to the same filesystem as the checkpoint (under `bench/data/work`); each output is
 removed and dirty pages are flushed (`sync`) before every run, outside the timing. Every command
@@ -18,6 +20,8 @@ from bench.data import weight_bytes
 from bench.interleave import Case, drop_dirty, interleave
 
 BASELINES = str(Path(__file__).resolve().parent / "baselines.py")
+SAME_WORK = "cp -r + sync + sha256sum"  # the write-speed target's baseline: reshard write <= 1.0x of it
+SAME_WORK_OPENSSL = "cp -r + sync + openssl sha256"  # a stricter reading: the same hash code reshard uses
 
 
 def reshard_bin() -> str:
@@ -57,6 +61,13 @@ def write_cases(src: Path, work: Path, tp: int, *, scripts: bool = True, cp_sync
         out = work / "cp-sync"
         add("cp -r + sync files", ["sh", "-c", f'cp -r "{src}" "{out}" && sync "{out}"/*'], out,
             "cp -r, then fsync of every copied file (durability like reshard's)")
+    out = work / "cp-sync-sha"
+    add(SAME_WORK, ["sh", "-c", f'cp -r "{src}" "{out}" && sync "{out}"/* && sha256sum "{out}"/* > /dev/null'], out,
+        "the same work as reshard write: copy, fsync and sha256 of every output file")
+    if shutil.which("openssl"):
+        out = work / "cp-sync-openssl"
+        add(SAME_WORK_OPENSSL, ["sh", "-c", f'cp -r "{src}" "{out}" && sync "{out}"/* && openssl dgst -sha256 "{out}"/* > /dev/null'],
+            out, "the same work, hashed by OpenSSL (as hashlib does; coreutils' sha256sum is slower)")
     out = work / f"reshard-tp{tp}"
     add(f"reshard write --tp {tp}", [rs, "write", str(src), "--tp", str(tp), "-o", str(out), "--no-progress"], out,
         "fsync + sha256 of every rank file, atomic rename")
@@ -144,3 +155,37 @@ def memory_summary(results: list[dict[str, Any]]) -> dict[str, Any]:
     if "1gb" in peaks and "4gb" in peaks:
         out["growth_1gb_to_4gb"] = peaks["4gb"] / peaks["1gb"] - 1
     return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m bench.compare_write [--reps N] [--tp 4]`: only the write-speed target's comparison
+    (cp -r, cp -r + sync + sha256sum, reshard write), interleaved, on the 1 GB checkpoint."""
+    import argparse
+    import json
+
+    from bench import data
+    from bench.targets import pair_ratio
+
+    p = argparse.ArgumentParser(prog="python -m bench.compare_write", description=main.__doc__)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--tp", type=int, default=4)
+    p.add_argument("--data", type=Path, default=data.DATA)
+    args = p.parse_args(argv)
+    src = data.checkpoint("1gb", root=args.data)
+    data.warm_page_cache(src)
+    work = args.data / "work"
+    try:
+        res = interleave(f"write 1gb tp{args.tp}", write_cases(src, work, args.tp, scripts=False), reps=args.reps,
+                         baseline="cp -r")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    name = f"reshard write --tp {args.tp}"
+    ratios = {f"vs {b}": pair_ratio(res, name, b) for b in (SAME_WORK, SAME_WORK_OPENSSL, "cp -r") if b in res["cases"]}
+    medians = {c: round(v["median_s"], 3) for c, v in res["cases"].items()}
+    print(json.dumps({"median_s": medians, "ratios": {k: round(v, 3) for k, v in ratios.items() if v is not None},
+                      "target": f"{name} <= 1.0x {SAME_WORK}", "met": ratios["vs " + SAME_WORK] <= 1.0}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

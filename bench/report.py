@@ -69,7 +69,7 @@ def markdown(results: dict[str, Any]) -> str:
     if results.get("targets"):
         lines += ["", "| target | value | goal | met |", "|---|---|---|---|"]
         for t in results["targets"]:
-            met = {True: "yes", False: "**no**", None: "not measured"}[t["met"]]
+            met = "-" if t["goal"] == "-" else {True: "yes", False: "**no**", None: "not measured"}[t["met"]]
             lines.append(f"| {t['target']} | {t['value']} | {t['goal']} | {met} |")
     return "\n".join(lines) + "\n"
 

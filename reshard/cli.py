@@ -1,7 +1,8 @@
 """The `reshard` command: plan | write | merge | pull | serve | demo.
 
 Each subcommand lives beside the code it drives and registers itself through `add_commands(sub)`;
-this file only dispatches and turns a `ReshardError` into one line on stderr and a non-zero exit.
+this file only dispatches and turns a `ReshardError` (or a stray `OSError`) into one line on stderr
+and exit status 1; `--debug` shows the traceback instead.
 """
 
 from __future__ import annotations
@@ -41,6 +42,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.debug:
             raise
         print(f"reshard: error: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:  # one the command did not type (an output error is typed where it happens)
+        if args.debug:
+            raise
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"reshard: error: {where}{e.strerror or e}; run with --debug for the traceback", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("reshard: interrupted", file=sys.stderr)

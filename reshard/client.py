@@ -31,7 +31,9 @@ from typing import Any
 import httpx
 
 from reshard import errors
-from reshard.errors import IntegrityError, NotFoundError, ReshardError
+from reshard.errors import IntegrityError, NotFoundError, OutputPathError, ReshardError
+from reshard.outfs import check_space, output_errors, prepare_dir
+from reshard.plan import rank_file_name
 from reshard.progress import Progress
 from reshard.writer import fsync_dir
 
@@ -132,28 +134,36 @@ class ShardClient:
         dest = Path(dest)
         part, meta = dest.with_name(f".{dest.name}.part"), dest.with_name(f".{dest.name}.part.json")
         head = self.head(rank, tp)
+        retry = f"run the same pull again (it resumes from {part.name})"
+        prepare_dir(dest.parent, for_file=dest)
+        if dest.is_dir():
+            raise OutputPathError(f"{dest}: is a directory; give the file to write, e.g. {dest / rank_file_name(rank, tp)}")
         version = {"url": self.shard_url(rank), "tp": tp, "etag": head.etag}
         sha, start = hashlib.sha256(), 0
-        if resume and part.is_file() and _read_meta(meta) == version:
-            start = min(part.stat().st_size, head.size)
-            with open(part, "rb") as f:  # the bytes already here count towards the digest
-                left = start
-                while left and (block := f.read(min(8 << 20, left))):
-                    sha.update(block)
-                    left -= len(block)
-        else:
-            meta.write_text(json.dumps(version))
         bar = Progress(head.size, f"rank {rank}/{tp}", enabled=progress)
-        bar.update(start)
         try:
-            with open(part, "r+b" if start else "wb") as f:
-                f.truncate(start)
-                f.seek(start)
-                for _pos, _size, piece in self._pieces(rank, tp, start=start, etag=head.etag, sha=sha):
-                    f.write(piece)
-                    bar.update(len(piece))
-                f.flush()
-                os.fsync(f.fileno())
+            with output_errors(dest, retry=retry):  # out of space etc.: the partial file stays, to resume
+                if resume and part.is_file() and _read_meta(meta) == version:
+                    start = min(part.stat().st_size, head.size)
+                    with open(part, "rb") as f:  # the bytes already here count towards the digest
+                        left = start
+                        while left and (block := f.read(min(8 << 20, left))):
+                            sha.update(block)
+                            left -= len(block)
+                else:
+                    meta.write_text(json.dumps(version))
+                check_space(dest.parent, head.size - start, fix=f"free some space there or pull elsewhere, then {retry}")
+                bar.update(start)
+                with open(part, "r+b" if start else "wb", buffering=0) as f:
+                    f.truncate(start)
+                    f.seek(start)
+                    for _pos, _size, piece in self._pieces(rank, tp, start=start, etag=head.etag, sha=sha):
+                        view = memoryview(piece)
+                        while view:
+                            view = view[f.write(view):]
+                        bar.update(len(piece))
+                    os.fsync(f.fileno())
+                os.replace(part, dest)
         except IntegrityError:
             for p in (part, meta):
                 with contextlib.suppress(FileNotFoundError):
@@ -161,7 +171,6 @@ class ShardClient:
             raise
         finally:
             bar.close()
-        os.replace(part, dest)
         with contextlib.suppress(FileNotFoundError):
             meta.unlink()
         fsync_dir(dest.parent)

@@ -53,9 +53,22 @@ def cmd_write(args: argparse.Namespace) -> int:
 
     ckpt, plan = _plan(args)
     record = write_shards(ckpt, plan, args.out, progress=args.progress)
-    total = sum(f["size"] for f in record["files"].values())
-    print(f"wrote {len(plan.ranks)} rank files ({human(total)} in {Path(args.out)}), manifest: {plan.manifest.source}")
+    total = sum(rp.size for rp in plan.ranks)
+    done = ", ".join(f"{rank_list(record[k])} {k}" for k in ("kept", "written") if record[k])
+    print(f"wrote {len(plan.ranks)} rank files ({human(total)} in {Path(args.out)}: {done}), manifest: {plan.manifest.source}")
     return 0
+
+
+def rank_list(ranks: list[int]) -> str:
+    """'rank 0', 'ranks 1-3', 'ranks 0, 2-3': runs of consecutive ranks as ranges."""
+    runs: list[list[int]] = []
+    for r in sorted(ranks):
+        if runs and r == runs[-1][-1] + 1:
+            runs[-1].append(r)
+        else:
+            runs.append([r])
+    text = ", ".join(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]) for run in runs)
+    return f"rank {text}" if len(ranks) == 1 else f"ranks {text}"
 
 
 def _common(p: argparse.ArgumentParser) -> None:

@@ -59,3 +59,55 @@ class NotFoundError(ReshardError):
     """A named checkpoint, manifest, job or file does not exist."""
 
     http_status = 404
+
+
+class OutputError(ReshardError):
+    """Writing an output failed because of where it goes: its file system or its path (not the input).
+
+    One subclass per cause (see `reshard.outfs.output_error`, which turns an `OSError` into one). The
+    HTTP status is what the service answers when it is the one writing (uploads, jobs).
+    """
+
+    http_status = 507
+
+
+class NoSpaceError(OutputError):
+    """The output file system is full (ENOSPC), or too full for what is planned."""
+
+    http_status = 507
+
+
+class QuotaError(OutputError):
+    """The disk quota of the output file system is used up (EDQUOT)."""
+
+    http_status = 507
+
+
+class ReadOnlyError(OutputError):
+    """The output file system is mounted read-only (EROFS)."""
+
+    http_status = 503
+
+
+class OutputPermissionError(OutputError):
+    """No permission to write the output directory or file (EACCES, EPERM)."""
+
+    http_status = 503
+
+
+class OutputPathError(OutputError):
+    """The output path cannot be a directory of files: it names a file, or a parent is a file (EEXIST, ENOTDIR, EISDIR)."""
+
+    http_status = 409
+
+
+class OutputIOError(OutputError):
+    """The output device reported an I/O error (EIO)."""
+
+    http_status = 503
+
+
+class PeerFailedError(ReshardError):
+    """Another rank of a distributed run failed, so this one stops too (instead of waiting for it)."""
+
+    http_status = 503

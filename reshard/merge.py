@@ -14,12 +14,14 @@ from typing import Any
 from reshard.errors import PlanError
 from reshard.format import CONFIG_NAME, INDEX_NAME, SINGLE_NAME
 from reshard.loaders import full_selection
+from reshard.outfs import check_space, output_errors, prepare_dir
 from reshard.plan import OutTensor, RankPlan, layout, segments_for, source_files
 from reshard.progress import Progress, add_progress_flags, human
 from reshard.shards import ShardSet
 from reshard.writer import copy_atomic, remove_stale_temps, write_json_atomic, write_rank_file
 
 DEFAULT_MAX_FILE = 5 * 10**9
+_RETRY = "run the same merge again"
 
 
 def merge_plans(shards: ShardSet, *, max_file_bytes: int = DEFAULT_MAX_FILE) -> list[tuple[str, RankPlan]]:
@@ -45,20 +47,21 @@ def merge(src: str | Path, out: str | Path, *, max_file_bytes: int = DEFAULT_MAX
           progress: bool | None = None) -> dict[str, Any]:
     """Merge the rank shards in `src` into an HF checkpoint in `out`; returns a summary."""
     shards = ShardSet.open(src)
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    remove_stale_temps(out)
     plans = merge_plans(shards, max_file_bytes=max_file_bytes)
-    bar = Progress(sum(p.size for _, p in plans), "merge", enabled=progress)
-    for fname, plan in plans:
-        write_rank_file(plan, out / fname, on_bytes=bar.update)
-    bar.close()
-    total = shards.total_bytes()  # every tensor whole: what the merged files hold
-    if len(plans) > 1:
-        weight_map = {t.name: fname for fname, p in plans for t in p.tensors}
-        write_json_atomic(out / INDEX_NAME, {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))})
-    if shards.config is not None:  # read (and validated) from config.json when the shards were opened
-        copy_atomic(shards.root / CONFIG_NAME, out / CONFIG_NAME)
+    out = prepare_dir(out)
+    with output_errors(out, retry=_RETRY):
+        remove_stale_temps(out)
+        check_space(out, sum(p.size for _, p in plans) + (64 << 10), fix=f"free some space there or merge elsewhere, then {_RETRY}")
+        bar = Progress(sum(p.size for _, p in plans), "merge", enabled=progress)
+        for fname, plan in plans:
+            write_rank_file(plan, out / fname, on_bytes=bar.update, retry=_RETRY)
+        bar.close()
+        total = shards.total_bytes()  # every tensor whole: what the merged files hold
+        if len(plans) > 1:
+            weight_map = {t.name: fname for fname, p in plans for t in p.tensors}
+            write_json_atomic(out / INDEX_NAME, {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))})
+        if shards.config is not None:  # read (and validated) from config.json when the shards were opened
+            copy_atomic(shards.root / CONFIG_NAME, out / CONFIG_NAME)
     return {"files": [f for f, _ in plans], "tensors": len(shards.tensors), "bytes": total, "tp": shards.tp}
 
 

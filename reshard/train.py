@@ -22,6 +22,7 @@ import torch.distributed as dist
 from reshard.errors import ReshardError
 from reshard.trainer.build import build_model
 from reshard.trainer.loss import causal_lm_loss
+from reshard.trainer.peers import stop_peers_on_failure
 from reshard.trainer.save import save_rank_shard
 
 T_START = time.time()
@@ -112,7 +113,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        train(args)
+        with stop_peers_on_failure(prog="reshard.train"):  # a rank that fails stops the others too
+            train(args)
     except ReshardError as e:
         print(f"reshard.train: error: {e}", file=sys.stderr)
         return 1

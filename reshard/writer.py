@@ -6,7 +6,6 @@ import contextlib
 import errno
 import hashlib
 import json
-import mmap
 import os
 import shutil
 import threading
@@ -15,13 +14,16 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import IO, Any
 
-from reshard.errors import SourceChangedError
+from reshard.errors import IntegrityError, SourceChangedError
 from reshard.format import CONFIG_NAME, Source
+from reshard.outfs import check_space, output_errors, prepare_dir
 from reshard.plan import Plan, RankPlan, rank_file_name
 from reshard.progress import Progress
 from reshard.stream import CHUNK, RankStream
 
 MANIFEST_NAME = "reshard.json"
+PARTIAL_NAME = ".reshard-partial.json"  # rank files published so far by an unfinished write of one plan
+RETRY = "run the same command again (rank files already written are kept)"
 TMP_PREFIX = ".tmp-"
 
 
@@ -142,16 +144,19 @@ def _write_data(stream: RankStream, fd: int, on_bytes: Callable[[int], None]) ->
 
 
 class _Hasher(threading.Thread):
-    """Hashes a file that is being written, following the writer: `advance(n)` says n more bytes
-    (in order) are in place. The file is mapped once, so hashing copies nothing."""
+    """Hashes a file that is being written, following the writer: `advance(n)` says n more bytes (in
+    order) are in place, and the hasher reads them back (from the page cache) with pread. Nothing maps
+    the file: a file system that runs out of room fails a write with ENOSPC instead of faulting a
+    mapped page (SIGBUS on a full tmpfs)."""
+
+    BLOCK = 4 << 20
 
     def __init__(self, fd: int, size: int) -> None:
         super().__init__(daemon=True)
-        os.ftruncate(fd, size)
-        self.size, self.avail = size, 0
-        self.map = mmap.mmap(fd, size, prot=mmap.PROT_READ) if size else None
+        self.fd, self.size, self.avail = fd, size, 0
         self.sha = hashlib.sha256()
         self.cond = threading.Condition()
+        self.cancelled = False
         self.error: BaseException | None = None
         self.start()
 
@@ -160,53 +165,62 @@ class _Hasher(threading.Thread):
             self.avail += n
             self.cond.notify()
 
+    def cancel(self) -> None:
+        """The write failed: stop at once (`digest` then only joins)."""
+        with self.cond:
+            self.cancelled = True
+            self.cond.notify()
+
     def run(self) -> None:
-        done = released = 0
+        done = 0
+        buf = memoryview(bytearray(min(self.BLOCK, max(self.size, 1))))
         try:
-            view = memoryview(self.map) if self.map is not None else memoryview(b"")
             while done < self.size:
                 with self.cond:
-                    while self.avail <= done:
+                    while self.avail <= done and not self.cancelled:
                         self.cond.wait()
-                    upto = min(self.avail, done + (8 << 20))
-                self.sha.update(view[done:upto])
-                done = upto
-                # drop hashed pages from this process (they stay in the page cache): RSS stays flat
-                edge = done - done % mmap.PAGESIZE
-                if edge > released:
-                    self.map.madvise(mmap.MADV_DONTNEED, released, edge - released)
-                    released = edge
-            view.release()
+                    if self.cancelled:
+                        return
+                    upto = min(self.avail, done + len(buf))
+                n = os.preadv(self.fd, [buf[: upto - done]], done)
+                if n <= 0:
+                    raise IntegrityError(f"written file ended at byte {done} of {self.size} when read back")
+                self.sha.update(buf[:n])
+                done += n
         except BaseException as e:  # reported by digest()
             self.error = e
 
     def digest(self) -> str:
         self.join()
-        if self.map is not None:
-            self.map.close()
         if self.error is not None:
             raise self.error
         return self.sha.hexdigest()
 
 
-def _finish(tmp: Path, fd: int, hasher: _Hasher, path: Path) -> str:
+def _finish(tmp: Path, fd: int, hasher: _Hasher, path: Path, on_published: Callable[[str], None], *,
+            retry: str = RETRY) -> str:
     """Wait for the hash of the written temp file, fsync it and publish it under its final name."""
     try:
-        digest = hasher.digest()
-        os.fsync(fd)
+        with output_errors(path, retry=retry):
+            digest = hasher.digest()
+            os.fsync(fd)
+            os.close(fd)
+            fd = -1
+            os.replace(tmp, path)
     except BaseException:
-        os.close(fd)
+        if fd >= 0:
+            os.close(fd)
         tmp.unlink(missing_ok=True)
         raise
-    os.close(fd)
-    os.replace(tmp, path)
+    on_published(digest)
     return digest
 
 
-def _start(plan: RankPlan, path: Path, on_bytes: Callable[[int], None]) -> tuple[Path, int, _Hasher]:
+def _start(plan: RankPlan, path: Path, on_bytes: Callable[[int], None], *, retry: str = RETRY) -> tuple[Path, int, _Hasher]:
     """Write a rank file's bytes to a temp file beside `path`, hashed as they land."""
     tmp = _tmp_path(path)
-    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o666)
+    with output_errors(path, retry=retry):
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o666)
     hasher = None
     try:
         hasher = _Hasher(fd, plan.size)
@@ -215,22 +229,24 @@ def _start(plan: RankPlan, path: Path, on_bytes: Callable[[int], None]) -> tuple
             hasher.advance(n)
             on_bytes(n)
 
-        with RankStream(plan) as stream:
+        with output_errors(path, retry=retry), RankStream(plan) as stream:
             _write_data(stream, fd, done)
     except BaseException:
         if hasher is not None:
-            hasher.advance(plan.size)  # let it finish and release the mapping
-            hasher.digest()
+            hasher.cancel()
+            hasher.join()
         os.close(fd)
         tmp.unlink(missing_ok=True)
         raise
     return tmp, fd, hasher
 
 
-def write_rank_file(plan: RankPlan, path: Path, *, on_bytes: Callable[[int], None] | None = None) -> str:
-    """Write one rank file to `path` atomically (temp, fsync, rename); return its sha256."""
-    tmp, fd, hasher = _start(plan, path, on_bytes or (lambda n: None))
-    digest = _finish(tmp, fd, hasher, path)
+def write_rank_file(plan: RankPlan, path: Path, *, on_bytes: Callable[[int], None] | None = None,
+                    retry: str = RETRY) -> str:
+    """Write one rank file to `path` atomically (temp, fsync, rename); return its sha256. An OSError of
+    the output side is raised as its `OutputError`, whose fix ends with `retry`."""
+    tmp, fd, hasher = _start(plan, path, on_bytes or (lambda n: None), retry=retry)
+    digest = _finish(tmp, fd, hasher, path, lambda d: None, retry=retry)
     fsync_dir(path.parent)
     return digest
 
@@ -241,51 +257,104 @@ def write_shards(
 ) -> dict[str, Any]:
     """Write every rank in `plan` to `out_dir`, then `reshard.json` (merged with an earlier run of the same plan).
 
+    Resumable: rank files an interrupted run of the same plan published (listed in `.reshard-partial.json`
+    or `reshard.json`, same size and sha256 when read back) are kept, the others written; reshard.json
+    is written only once every rank is in place. Free space is checked before the first byte, and an
+    OSError of the output side is raised as its `OutputError`. Returns the record written to
+    reshard.json plus `kept` and `written` (rank numbers).
+
     Each file is hashed by a thread that follows its writer; fsync and rename overlap the next rank.
     """
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    remove_stale_temps(out)
-    bar = Progress(sum(r.size for r in plan.ranks), "write", enabled=progress)
-    record = _load_record(out / MANIFEST_NAME, plan.digest)
-    if not record["files"] and (out / MANIFEST_NAME).exists():
-        # the record of another plan would vouch for rank files this run is about to replace: remove it
-        # first, so that whenever reshard.json exists every file it lists has the listed sha256
-        (out / MANIFEST_NAME).unlink()
-        fsync_dir(out)
+    out = prepare_dir(out_dir)
+    with output_errors(out, retry=RETRY):
+        remove_stale_temps(out)
+        record = _load_record(out / MANIFEST_NAME, plan.digest)
+        published = _Published(out, plan.digest, record["files"])
+        kept = [rp for rp in plan.ranks if published.matches(rank_file_name(rp.rank, rp.tp), rp.size)]
+        todo = [rp for rp in plan.ranks if rp not in kept]
+        check_space(out, sum(rp.size for rp in todo) + (64 << 10), fix=f"free some space there or write elsewhere, then {RETRY}")
+        if not record["files"] and (out / MANIFEST_NAME).exists():
+            # the record of another plan would vouch for rank files this run is about to replace: remove it
+            # first, so that whenever reshard.json exists every file it lists has the listed sha256
+            (out / MANIFEST_NAME).unlink()
+            fsync_dir(out)
+    bar = Progress(sum(r.size for r in todo), "write", enabled=progress)
 
     def done(n: int) -> None:
         bar.update(n)
         if on_bytes is not None:
             on_bytes(n)
 
-    pending: list[tuple[str, RankPlan, Future[str]]] = []
+    pending: list[Future[str]] = []
     with ThreadPoolExecutor(2) as pool:
         try:
-            for rp in plan.ranks:
+            for rp in todo:
                 name = rank_file_name(rp.rank, rp.tp)
                 tmp, fd, hasher = _start(rp, out / name, done)
-                pending.append((name, rp, pool.submit(_finish, tmp, fd, hasher, out / name)))
+                pending.append(pool.submit(_finish, tmp, fd, hasher, out / name, published.adder(name, rp)))
         finally:
-            results = [(name, rp, fut.exception() or fut.result()) for name, rp, fut in pending]
-    for name, rp, digest in results:
-        if isinstance(digest, BaseException):
-            raise digest
-        record["files"][name] = {"rank": rp.rank, "size": rp.size, "sha256": digest}
+            errors = [e for e in (fut.exception() for fut in pending) if e is not None]
+    if errors:
+        raise errors[0]
     bar.close()
-    fsync_dir(out)
-    if ckpt.config is not None:
-        copy_atomic(ckpt.root / CONFIG_NAME, out / CONFIG_NAME)
-    record.update(
-        format="reshard/1",
-        tp=plan.tp,
-        plan=plan.digest,
-        source={"path": str(ckpt.root), **ckpt.identity()},
-        manifest={"source": plan.manifest.source, **plan.manifest.to_dict()},
-        config=ckpt.config,
-    )
-    write_json_atomic(out / MANIFEST_NAME, record)
-    return record
+    with output_errors(out, retry=RETRY):
+        fsync_dir(out)
+        if ckpt.config is not None:
+            copy_atomic(ckpt.root / CONFIG_NAME, out / CONFIG_NAME)
+        record.update(
+            files=published.files,
+            format="reshard/1",
+            tp=plan.tp,
+            plan=plan.digest,
+            source={"path": str(ckpt.root), **ckpt.identity()},
+            manifest={"source": plan.manifest.source, **plan.manifest.to_dict()},
+            config=ckpt.config,
+        )
+        write_json_atomic(out / MANIFEST_NAME, record)
+        published.complete()
+    return {**record, "kept": [rp.rank for rp in kept], "written": [rp.rank for rp in todo]}
+
+
+class _Published:
+    """The rank files of one plan that are in place: those an earlier run recorded (reshard.json, or
+    `.reshard-partial.json` while a set is incomplete) and still match, plus those this run publishes.
+    The partial record is rewritten after every publish, so a run killed at any point can be resumed."""
+
+    def __init__(self, out: Path, digest: str, files: dict[str, Any]) -> None:
+        self.out, self.digest, self.path = out, digest, out / PARTIAL_NAME
+        self.files = dict(files)
+        self.files.update(_load_record(self.path, digest)["files"])
+        self.lock = threading.Lock()
+
+    def matches(self, name: str, size: int) -> bool:
+        """Whether `name` is in place: recorded with this size, and the file has that size and sha256."""
+        entry, path = self.files.get(name), self.out / name
+        ok = isinstance(entry, dict) and entry.get("size") == size and path.is_file() \
+            and path.stat().st_size == size and file_sha256(path) == entry.get("sha256")
+        if not ok:
+            self.files.pop(name, None)
+        return ok
+
+    def adder(self, name: str, rp: RankPlan) -> Callable[[str], None]:
+        def add(digest: str) -> None:
+            with self.lock, output_errors(self.path, retry=RETRY):
+                self.files[name] = {"rank": rp.rank, "size": rp.size, "sha256": digest}
+                write_json_atomic(self.path, {"plan": self.digest, "files": self.files})
+        return add
+
+    def complete(self) -> None:
+        """reshard.json now lists every file: the partial record is no longer needed."""
+        self.path.unlink(missing_ok=True)
+
+
+def file_sha256(path: Path) -> str:
+    """sha256 of a file, read in blocks (no mapping)."""
+    sha = hashlib.sha256()
+    with open(path, "rb", buffering=0) as f:
+        buf = memoryview(bytearray(_Hasher.BLOCK))
+        while n := f.readinto(buf):
+            sha.update(buf[:n])
+    return sha.hexdigest()
 
 
 def _load_record(path: Path, digest: str) -> dict[str, Any]:

@@ -1,13 +1,16 @@
 """The one place where errors become HTTP answers: `{"error": <name>, "detail": <text>}`.
 
 Library errors (`reshard.errors.ReshardError`) carry their status in `http_status`; the few errors
-only the service raises are declared here the same way. Request validation answers 422, unknown
+only the service raises are declared here the same way; the output side's errors (`OutputError`:
+no space 507, quota 507, read-only 503, permission 503, path 409, I/O 503) too, and an untyped
+OSError of a full or read-only disk is typed here before it is answered. Request validation answers 422, unknown
 routes 404, wrong methods 405, all with the same JSON shape. Anything else is a bug: it is logged with
 its traceback and answered 500 without internals.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 from typing import Any
 
@@ -18,8 +21,10 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from reshard.errors import ReshardError
+from reshard.outfs import output_error
 
 log = logging.getLogger("reshard.service")
+_WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS})
 
 
 class BadRequest(ReshardError):
@@ -58,7 +63,8 @@ class RangeNotSatisfiable(ReshardError):
 
 _STATUS_NAMES = {400: "BadRequest", 401: "Unauthorized", 403: "Forbidden", 404: "NotFound",
                  405: "MethodNotAllowed", 409: "Conflict", 413: "PayloadTooLarge", 415: "UnsupportedMediaType",
-                 416: "RangeNotSatisfiable", 422: "ValidationError"}
+                 416: "RangeNotSatisfiable", 422: "ValidationError", 503: "ServiceUnavailable",
+                 507: "InsufficientStorage"}
 
 
 
@@ -77,8 +83,17 @@ def error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
             for code in codes}
 
 
+def typed(exc: BaseException) -> BaseException:
+    """An OSError that can only come from writing (full disk, quota, read-only file system) as its
+    `reshard.errors.OutputError` (507 / 503); any other exception as it is."""
+    if isinstance(exc, OSError) and exc.errno in _WRITE_ERRNOS:
+        return output_error(exc, exc.filename or "the server's disk") or exc
+    return exc
+
+
 def status_for(exc: BaseException) -> int:
     """The HTTP status of an exception raised while answering a request."""
+    exc = typed(exc)
     if isinstance(exc, ReshardError):
         return int(getattr(exc, "http_status", 400))
     if isinstance(exc, FileNotFoundError):
@@ -99,6 +114,7 @@ def response_for(exc: BaseException, *, hide: str | None = None) -> JSONResponse
 
     `hide` (the served root) is cut from the detail, so answers name `ckpt/file`, not server paths.
     """
+    exc = typed(exc)
     status = status_for(exc)
     headers: dict[str, str] = {}
     if isinstance(exc, RangeNotSatisfiable):

@@ -21,11 +21,13 @@ import anyio.to_thread
 
 from reshard.errors import CheckpointError, HeaderError
 from reshard.format import INDEX_NAME, read_header
+from reshard.outfs import check_space, output_errors
 from reshard.writer import fsync_dir
 from service.catalog import Catalog, allowed_upload, valid_name
 from service.errors import Conflict, PayloadTooLarge
 
 _FLUSH = 4 << 20
+_RETRY = "upload the file again"
 
 
 def _validate(path: Path, filename: str) -> dict[str, Any]:
@@ -56,11 +58,26 @@ async def receive_upload(
     catalog: Catalog, name: str, filename: str, body: AsyncIterator[bytes], *,
     content_length: int | None, max_bytes: int,
 ) -> dict[str, Any]:
-    """Store `body` as `filename` of checkpoint `name` (created when new); return what was published."""
+    """Store `body` as `filename` of checkpoint `name` (created when new); return what was published.
+
+    Free space is checked first when the length is known; an OSError of the server's disk (full,
+    read-only...) is raised as its `reshard.errors.OutputError` (answered 507 when out of space), and
+    nothing of the upload is left behind.
+    """
+    with output_errors(catalog.root / name / filename, retry=_RETRY):
+        return await _receive(catalog, name, filename, body, content_length=content_length, max_bytes=max_bytes)
+
+
+async def _receive(
+    catalog: Catalog, name: str, filename: str, body: AsyncIterator[bytes], *,
+    content_length: int | None, max_bytes: int,
+) -> dict[str, Any]:
     allowed_upload(filename)
     if content_length is not None and content_length > max_bytes:
         raise PayloadTooLarge(f"{filename}: {content_length} bytes exceeds the {max_bytes}-byte upload limit")
     new_dir = not os.path.lexists(catalog.root / name) if valid_name(name) else False
+    if content_length is not None:
+        check_space(catalog.root / name, content_length, fix=f"free some space on the server, then {_RETRY}")
     directory = catalog.directory(name, create=True)
     final = directory / filename
     if final.is_dir() and not final.is_symlink():

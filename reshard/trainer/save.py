@@ -10,10 +10,13 @@ from torch import nn
 
 from reshard.errors import PlanError
 from reshard.format import CONFIG_NAME, DTYPE_SIZES, encode_header
+from reshard.outfs import check_space, output_errors, prepare_dir
 from reshard.plan import data_order, rank_file_name, rank_metadata
 from reshard.tensors import DTYPE_NAMES
 from reshard.trainer.fill import RankHeader, byte_view
 from reshard.writer import MANIFEST_NAME, atomic_file, write_json_atomic
+
+RETRY = "train (or save) again"
 
 
 def save_rank_shard(model: nn.Module, out_dir: str | Path, *, config: dict | None = None) -> Path:
@@ -35,20 +38,22 @@ def save_rank_shard(model: nn.Module, out_dir: str | Path, *, config: dict | Non
         n = math.prod(t.shape) * DTYPE_SIZES[DTYPE_NAMES[t.dtype]]
         entries.append((name, DTYPE_NAMES[t.dtype], tuple(t.shape), pos, pos + n))
         pos += n
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out = prepare_dir(out_dir)
     path = out / rank_file_name(header.rank, header.tp)
-    with atomic_file(path) as f:
-        f.write(encode_header(rank_metadata(header.tp, header.rank, header.tensors), entries))
+    head = encode_header(rank_metadata(header.tp, header.rank, header.tensors), entries)
+    check_space(out, len(head) + pos, fix=f"free some space there or save elsewhere, then {RETRY}")
+    with output_errors(path, retry=RETRY), atomic_file(path) as f:
+        f.write(head)
         for name in order:
             t = tensors[name].to("cpu").contiguous()
             if t.numel():
                 f.write(byte_view(t))
     if header.rank == 0:
-        with contextlib.suppress(FileNotFoundError):
-            (out / MANIFEST_NAME).unlink()  # an older record would no longer describe these files
-        if config is not None:
-            write_json_atomic(out / CONFIG_NAME, config)
+        with output_errors(out, retry=RETRY):
+            with contextlib.suppress(FileNotFoundError):
+                (out / MANIFEST_NAME).unlink()  # an older record would no longer describe these files
+            if config is not None:
+                write_json_atomic(out / CONFIG_NAME, config)
     return path
 
 

@@ -101,7 +101,7 @@ def put_rules(name: Name, body: ManifestIn, catalog: CatalogDep,
     "A new name creates the checkpoint directory.",
     openapi_extra={"requestBody": {"required": True, "content": {
         "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}},
-    responses=error_responses(400, 401, 409, 413, 422),
+    responses=error_responses(400, 401, 409, 413, 422, 503, 507),
 )
 async def put_file(name: Name, filename: Annotated[str, Path(json_schema_extra={"pattern": FILE_PATTERN})],
                    request: Request,

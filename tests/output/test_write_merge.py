@@ -1,0 +1,157 @@
+"""`reshard write` and `reshard merge` on a full ext4 / tmpfs, read-only ones, and `-o` paths that cannot
+be directories: one clean line, exit status 1, no temp file, and a rerun that resumes (kept rank files)
+to output byte-identical to an uninterrupted run."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from _fs import Mount, leftovers, listing, same_tree
+from conftest import TP, reshard
+
+from reshard.errors import NoSpaceError
+from reshard.plan import make_plan, rank_file_name
+from reshard.source import open_source
+from reshard.writer import PARTIAL_NAME, write_shards
+
+RANK0, RANK1 = rank_file_name(0, TP), rank_file_name(1, TP)
+
+
+def assert_clean(r: subprocess.CompletedProcess[str], *needles: str) -> str:
+    """Exit status 1 (not a signal), one `reshard: error:` line naming each needle, no traceback."""
+    assert r.returncode == 1, (r.returncode, r.stderr)
+    lines = r.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("reshard: error: "), r.stderr
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+    return lines[0]
+
+
+def test_write_without_room_says_so_before_writing(fs: Mount, ckpt: Path, reference: dict[str, Path]) -> None:
+    out = fs.path / "out"
+    fs.fill(leave=1 << 20)
+    needed = sum((reference["write"] / n).stat().st_size for n in (RANK0, RANK1))
+    line = assert_clean(reshard("write", ckpt, "--tp", TP, "-o", out, "--no-progress"),
+                        f"needs {needed / 1e6:.1f} MB in {out}", "MB free")
+    free_said = float(line.split(", ")[1].split(" MB free")[0])
+    assert abs(free_said * 1e6 - fs.free()) < 0.2e6, (line, fs.free())
+    assert leftovers(out) == [] and listing(out) == []
+    fs.unfill()
+    r = reshard("write", ckpt, "--tp", TP, "-o", out, "--no-progress")
+    assert r.returncode == 0, r.stderr
+    assert "ranks 0-1 written" in r.stdout, r.stdout
+    same_tree(reference["write"], out)
+
+
+def test_write_running_out_midway_resumes_keeping_rank_0(fs: Mount, ckpt: Path, reference: dict[str, Path]) -> None:
+    """Others fill the disk while rank 1 is being written: ENOSPC (never SIGBUS, even on tmpfs), rank 0
+    stays published, no reshard.json; the rerun keeps rank 0 and writes rank 1."""
+    out = fs.path / "out"
+    src, manifest = open_source(ckpt)
+    plan = make_plan(src, manifest, TP)
+    seen = {"bytes": 0, "filled": False}
+
+    def on_bytes(n: int) -> None:
+        seen["bytes"] += n
+        if not seen["filled"] and seen["bytes"] > plan.ranks[0].size:
+            deadline = time.monotonic() + 30  # rank 0's publish (in the writer's pool) is recorded first
+            while RANK0 not in _partial(out) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            fs.fill(leave=0)
+            seen["filled"] = True
+
+    with pytest.raises(NoSpaceError, match=f"{RANK1}: no space left on device .*run the same command again"):
+        write_shards(src, plan, out, progress=False, on_bytes=on_bytes)
+    assert seen["filled"]
+    assert leftovers(out) == []
+    assert listing(out) == [RANK0]
+    assert (out / RANK0).read_bytes() == (reference["write"] / RANK0).read_bytes()
+    fs.unfill()
+    r = reshard("write", ckpt, "--tp", TP, "-o", out, "--no-progress")
+    assert r.returncode == 0, r.stderr
+    assert "rank 0 kept, rank 1 written" in r.stdout, r.stdout
+    same_tree(reference["write"], out)
+    assert not (out / PARTIAL_NAME).exists()
+    r = reshard("write", ckpt, "--tp", TP, "-o", out, "--no-progress")  # complete: nothing to write
+    assert "ranks 0-1 kept" in r.stdout and "written" not in r.stdout, r.stdout
+
+
+def _partial(out: Path) -> dict[str, object]:
+    try:
+        return json.loads((out / PARTIAL_NAME).read_text())["files"]
+    except (OSError, ValueError):
+        return {}
+
+
+def test_write_kept_file_must_match_its_record(tmp_path: Path, ckpt: Path, reference: dict[str, Path]) -> None:
+    """A published rank file whose bytes no longer match the recorded sha256 is rewritten, not kept."""
+    out = tmp_path / "out"
+    assert reshard("write", ckpt, "--tp", TP, "-o", out, "--no-progress").returncode == 0
+    data = bytearray((out / RANK1).read_bytes())
+    data[-1] ^= 0xFF
+    (out / RANK1).write_bytes(data)
+    r = reshard("write", ckpt, "--tp", TP, "-o", out, "--no-progress")
+    assert "rank 0 kept, rank 1 written" in r.stdout, r.stdout
+    same_tree(reference["write"], out)
+
+
+@pytest.mark.parametrize("existing", [False, True], ids=["new-dir", "existing-dir"])
+def test_write_read_only(fs: Mount, ckpt: Path, reference: dict[str, Path], existing: bool) -> None:
+    out = fs.path / "out"
+    if existing:
+        out.mkdir()
+    with fs.readonly():
+        assert_clean(reshard("write", ckpt, "--tp", TP, "-o", out, "--no-progress"),
+                     str(out), "read-only file system", "remount it read-write or write elsewhere")
+    assert leftovers(fs.path) == [] and (not out.exists() or listing(out) == [])
+    r = reshard("write", ckpt, "--tp", TP, "-o", out, "--no-progress")
+    assert r.returncode == 0, r.stderr
+    same_tree(reference["write"], out)
+
+
+def test_merge_without_room_then_resumed(fs: Mount, reference: dict[str, Path]) -> None:
+    out = fs.path / "merged"
+    fs.fill(leave=1 << 20)
+    assert_clean(reshard("merge", reference["write"], "-o", out, "--no-progress"), f"MB in {out}", "MB free",
+                 "run the same merge again")
+    assert leftovers(out) == [] and listing(out) == []
+    fs.unfill()
+    r = reshard("merge", reference["write"], "-o", out, "--no-progress")
+    assert r.returncode == 0, r.stderr
+    same_tree(reference["merge"], out)
+
+
+def test_merge_read_only(fs: Mount, reference: dict[str, Path]) -> None:
+    out = fs.path / "merged"
+    with fs.readonly():
+        assert_clean(reshard("merge", reference["write"], "-o", out, "--no-progress"), "read-only file system")
+    assert not out.exists()
+    assert reshard("merge", reference["write"], "-o", out, "--no-progress").returncode == 0
+    same_tree(reference["merge"], out)
+
+
+@pytest.mark.parametrize("command", ["write", "merge"])
+def test_out_is_a_file_or_under_one(tmp_path: Path, ckpt: Path, reference: dict[str, Path], command: str) -> None:
+    afile = tmp_path / "afile"
+    afile.write_bytes(b"keep me")
+    argv = ["write", ckpt, "--tp", TP] if command == "write" else ["merge", reference["write"]]
+    assert_clean(reshard(*argv, "-o", afile, "--no-progress"), f"{afile}: exists and is not a directory")
+    assert_clean(reshard(*argv, "-o", afile / "sub", "--no-progress"),
+                 f"{afile / 'sub'}: {afile} is a file, not a directory")
+    assert afile.read_bytes() == b"keep me" and leftovers(tmp_path) == []
+    r = reshard("--debug", *argv, "-o", afile, "--no-progress")
+    assert r.returncode == 1 and "Traceback" in r.stderr and "OutputPathError" in r.stderr
+
+
+def test_refused_write_changes_nothing(fs: Mount, ckpt: Path) -> None:
+    """Refused before the first byte: the directory, with an earlier run's reshard.json, stays as it was."""
+    out = fs.path / "out"
+    assert reshard("write", ckpt, "--tp", 1, "-o", out, "--no-progress").returncode == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    fs.fill(leave=1 << 20)
+    assert_clean(reshard("write", ckpt, "--tp", TP, "-o", out, "--no-progress"), "needs")
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
