@@ -93,7 +93,7 @@ def match_targets(model: nn.Module, header: RankHeader) -> tuple[dict[str, torch
     targets: dict[str, torch.Tensor] = {}
     problems: list[str] = []
     with torch.no_grad():
-        for n in shapes.keys() & state.keys():
+        for n in sorted(shapes.keys() & state.keys()):
             local = _local(state[n])
             targets[n] = local
             problems += _check(n, local, _held(state[n]), described[n], shapes[n], _describe_param(state[n]))
@@ -127,8 +127,8 @@ def _check(name: str, local: torch.Tensor, held: Held, desc: dict[str, Any], sha
         wrong = any(h is not None and _runs(h) != _merge(sel) for h, sel in zip(held, select))
     if not wrong:
         return []
-    return (f"{name}: the model has shape {list(local.shape)} ({model_layout}), the shard has shape {list(shape)} "
-            f"({_describe_shard(desc, shape)})")
+    return [f"{name}: the model has shape {list(local.shape)} ({model_layout}), the shard has shape {list(shape)} "
+            f"({_describe_shard(desc, shape)})"]
 
 
 def _mesh_group(model: nn.Module) -> ProcessGroup | None:
