@@ -60,6 +60,24 @@ class ExpertView:
     held: tuple[tuple[int, ...] | None, ...]
 
 
+def checkpoint_renamer(model: Any) -> Callable[[str], str]:
+    """Checkpoint key -> model key by the renamings of transformers' conversion mapping for `model`
+    (e.g. Mixtral's `block_sparse_moe.` -> `mlp.`), applied in order; the identity without transformers."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightRenaming
+    except ImportError:
+        return lambda name: name
+    renamings = [c for c in get_model_conversion_mapping(model) if isinstance(c, WeightRenaming)]
+
+    def rename(name: str) -> str:
+        for r in renamings:
+            name = r.rename_source_key(name)[0]
+        return name
+
+    return rename
+
+
 def fused_rules(model: Any) -> list[FusedRule]:
     """The fusing converters of transformers' conversion mapping for `model` (none without transformers)."""
     try:

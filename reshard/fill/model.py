@@ -28,7 +28,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from reshard.errors import CheckpointError, PlanError
-from reshard.experts import ExpertView, expert_views, fused_rules
+from reshard.experts import ExpertView, checkpoint_renamer, expert_views, fused_rules
 from reshard.tensors import TORCH_DTYPES
 from reshard.tp.comm import tp_rank, tp_world_size
 from reshard.trainer.build import open_rank_stream
@@ -88,23 +88,26 @@ def match_targets(model: nn.Module, header: RankHeader) -> tuple[dict[str, torch
     """Shard tensor name -> the tensor its bytes go into (a DTensor's local tensor, or a view into a
     fused expert parameter), after every check; raises one `PlanError` listing every disagreement."""
     state = model.state_dict(keep_vars=True)  # parameters and persistent buffers, tied aliases included
+    rename = checkpoint_renamer(model)
+    as_model = {n: rename(n) for n in header.entries}  # shard (checkpoint) name -> the model's name for it
     shapes = {n: tuple(e["shape"]) for n, e in header.entries.items()}
     described = {n: header.tensors.get(n, {}) for n in shapes}
     targets: dict[str, torch.Tensor] = {}
     problems: list[str] = []
     with torch.no_grad():
-        for n in sorted(shapes.keys() & state.keys()):
-            local = _local(state[n])
-            targets[n] = local
-            problems += _check(n, local, _held(state[n]), described[n], shapes[n], _describe_param(state[n]))
-        views = expert_views(state, {n: s for n, s in shapes.items() if n not in targets}, fused_rules(model),
-                             local=_local, held=_held,
-                             global_shapes={n: d.get("shape", shapes[n]) for n, d in described.items()})
-        for n, v in views.items():
+        for n in sorted(n for n in shapes if as_model[n] in state):
+            p = state[as_model[n]]
+            targets[n] = _local(p)
+            problems += _check(n, targets[n], _held(p), described[n], shapes[n], _describe_param(p))
+        rest = {as_model[n]: n for n in shapes if n not in targets}
+        views = expert_views(state, {m: shapes[n] for m, n in rest.items()}, fused_rules(model), local=_local,
+                             held=_held, global_shapes={m: described[n].get("shape", shapes[n]) for m, n in rest.items()})
+        for m, v in views.items():
+            n = rest[m]
             targets[n] = v.view
             what = f"expert {v.expert} of {v.param}, a view of {_describe_param(state[v.param])}"
             problems += _check(n, v.view, v.held, described[n], shapes[n], what)
-    covered = {id(state[v.param]) for v in views.values()} | {id(state[n]) for n in targets if n in state}
+    covered = {id(state[v.param]) for v in views.values()} | {id(state[as_model[n]]) for n in targets if as_model[n] in state}
     missing = sorted(n for n, t in state.items() if id(t) not in covered)  # a tied alias is covered by its twin
     missing += _missing_experts(views, state)
     unexpected = sorted(shapes.keys() - targets.keys())

@@ -14,12 +14,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "service"))
 from _live import LiveServer, live_server  # noqa: E402
+from fill_checks import SMALL  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-SMALL = {"vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-         "num_key_value_heads": 2, "head_dim": 16}
 CONFIGS: dict[str, dict[str, Any]] = {
     "llama": {"model_type": "llama", "intermediate_size": 128, "dtype": "float32", **SMALL},
     # bfloat16 on disk, filled into float32 parameters: the report lists the casts
@@ -49,6 +48,12 @@ def _save(path: Path, config: dict[str, Any], seed: int) -> Path:
             p.normal_(0, 0.2)
     model.save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="session")
+def save_hf_ckpt() -> Any:
+    """`save_hf_ckpt(path, config_dict, seed)`: a transformers-made checkpoint with random weights."""
+    return _save
 
 
 @pytest.fixture(scope="session")

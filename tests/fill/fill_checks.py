@@ -28,6 +28,9 @@ from reshard.errors import ReshardError  # noqa: E402
 __all__ = ["run_distributed"]
 
 SERVED = "reshard_shard_bytes_served_total"
+# the shapes of the test checkpoints (transformers configs); every split dim divides by 2 and 4
+SMALL = {"vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "head_dim": 16}
 
 
 def served_bytes(server_url: str) -> float:

@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 import torch
-from fill_checks import hf_tp_job, ids_for, run_distributed, torch_tp_job
+from fill_checks import SMALL, hf_tp_job, ids_for, run_distributed, torch_tp_job
 from safetensors import safe_open
 
 import reshard
@@ -174,6 +174,27 @@ def test_expert_views_follow_transformers_conversion_mapping(fill_root: Path) ->
         assert torch.equal(v.view, ckpt[name]), name
         assert v.view.data_ptr() != ckpt[name].data_ptr()
         assert v.view.untyped_storage().data_ptr() == state[v.param].untyped_storage().data_ptr()
+
+
+def test_renamed_and_fused_mixtral_experts(save_hf_ckpt: Any, tmp_path: Path) -> None:
+    """Mixtral's checkpoint says `block_sparse_moe.experts.E.w1/w3/w2`; transformers renames and fuses
+    them into `mlp.experts.gate_up_proj`/`down_proj`; fill_model follows the same mapping."""
+    from reshard.cli import main
+
+    config = {"model_type": "mixtral", "intermediate_size": 96, "num_local_experts": 3, "num_experts_per_tok": 2,
+              "dtype": "float32", **SMALL}
+    src = save_hf_ckpt(tmp_path / "mixtral", config, 7)
+    with safe_open(str(src / "model.safetensors"), "pt") as f:
+        assert "model.layers.0.block_sparse_moe.experts.2.w3.weight" in f.keys()
+    (src / "reshard-rules.yaml").write_text("rules: []\n")  # tp=1: every tensor whole
+    assert main(["write", str(src), "--tp", "1", "-o", str(tmp_path / "s")]) == 0
+    model = reshard.empty_tp_model(tmp_path / "s")
+    report = reshard.fill_model(model, tmp_path / "s")
+    assert report.fused == 2 * 3 * 3
+    full = transformers.AutoModelForCausalLM.from_pretrained(src).eval()
+    ids = ids_for(SMALL["vocab_size"])
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, full(input_ids=ids).logits)
 
 
 def test_a_shard_missing_an_expert_is_refused(fill_root: Path, tmp_path: Path) -> None:
