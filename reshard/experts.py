@@ -133,16 +133,20 @@ def expert_views(
         h = held(params[pname]) if held else (None,) * t.ndim
         experts = h[0] if h[0] is not None else tuple(range(t.shape[0]))
         cdim = None if rule.concat_dim is None or len(rule.sources) == 1 else rule.concat_dim % t.ndim
+        position = {e: i for i, e in enumerate(experts)}
         for k, names in sorted(by_source.items()):
+            sub_held, span = list(h[1:]), None  # the same for every expert of source k
+            if cdim is not None:
+                start, length, base = _source_span(k, cdim - 1, by_source, shard_shapes, h[cdim], global_shapes)
+                span = (start, length)
+                if h[cdim] is not None:
+                    sub_held[cdim - 1] = tuple(g - base for g in h[cdim][start:start + length])
             for e, name in names.items():
-                if e not in experts:
+                if e not in position:
                     continue
-                block, sub_held = t[experts.index(e)], list(h[1:])
-                if cdim is not None:
-                    start, length, base = _source_span(k, cdim - 1, by_source, shard_shapes, h[cdim], global_shapes)
-                    block = block.narrow(cdim - 1, start, length)
-                    if h[cdim] is not None:
-                        sub_held[cdim - 1] = tuple(g - base for g in h[cdim][start:start + length])
+                block = t[position[e]]
+                if span is not None:
+                    block = block.narrow(cdim - 1, *span)
                 out[name] = ExpertView(pname, k, len(rule.sources), e, block, tuple(sub_held))
     return out
 

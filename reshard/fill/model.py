@@ -6,8 +6,9 @@
     print(report)                  # tensors filled, bytes pulled, seconds, dtype casts
 
 The source's rank and tp come from `group` (default: the DTensors' 1-D mesh, else the world). Before
-any byte is copied, every shard tensor is matched to a parameter or persistent buffer by name (or, for
-per-expert MoE tensors, to a view into the fused expert parameter, see `reshard.experts`), its local
+any byte is copied, every shard tensor is matched to a parameter or persistent buffer by name (through
+transformers' checkpoint renamings, and for per-expert MoE tensors to a view into the fused expert
+parameter, see `reshard.experts`), its local
 shape is compared, and for a DTensor the global indices it holds (as DTensor chunks it: `Shard(d)`,
 `_StridedShard`, uneven last ranks) are compared with the selection the shard's self-description
 records. Any disagreement is one `PlanError` naming each parameter, both shapes and both layouts,
@@ -18,7 +19,7 @@ parameters (`reshard.trainer.fill.fill_parameters`), cast where the dtypes diffe
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -98,15 +99,15 @@ def match_targets(model: nn.Module, header: RankHeader) -> tuple[dict[str, torch
         for n in sorted(n for n in shapes if as_model[n] in state):
             p = state[as_model[n]]
             targets[n] = _local(p)
-            problems += _check(n, targets[n], _held(p), described[n], shapes[n], _describe_param(p))
+            problems += _check(n, targets[n], _held(p), described[n], shapes[n], lambda p=p: _describe_param(p))
         rest = {as_model[n]: n for n in shapes if n not in targets}
         views = expert_views(state, {m: shapes[n] for m, n in rest.items()}, fused_rules(model), local=_local,
                              held=_held, global_shapes={m: described[n].get("shape", shapes[n]) for m, n in rest.items()})
         for m, v in views.items():
             n = rest[m]
             targets[n] = v.view
-            what = f"expert {v.expert} of {v.param}, a view of {_describe_param(state[v.param])}"
-            problems += _check(n, v.view, v.held, described[n], shapes[n], what)
+            problems += _check(n, v.view, v.held, described[n], shapes[n], lambda v=v: (
+                f"expert {v.expert} of {v.param}, a view of {_describe_param(state[v.param])}"))
     covered = {id(state[v.param]) for v in views.values()} | {id(state[as_model[n]]) for n in targets if as_model[n] in state}
     missing = sorted(n for n, t in state.items() if id(t) not in covered)  # a tied alias is covered by its twin
     missing += _missing_experts(views, state)
@@ -122,7 +123,7 @@ def match_targets(model: nn.Module, header: RankHeader) -> tuple[dict[str, torch
 
 
 def _check(name: str, local: torch.Tensor, held: Held, desc: dict[str, Any], shape: tuple[int, ...],
-           model_layout: str) -> list[str]:
+           model_layout: Callable[[], str]) -> list[str]:
     """One line if the local tensor's shape or held indices disagree with the shard tensor's."""
     select = desc.get("select")
     wrong = tuple(local.shape) != shape
@@ -130,7 +131,7 @@ def _check(name: str, local: torch.Tensor, held: Held, desc: dict[str, Any], sha
         wrong = any(h is not None and _runs(h) != _merge(sel) for h, sel in zip(held, select))
     if not wrong:
         return []
-    return [f"{name}: the model has shape {list(local.shape)} ({model_layout}), the shard has shape {list(shape)} "
+    return [f"{name}: the model has shape {list(local.shape)} ({model_layout()}), the shard has shape {list(shape)} "
             f"({_describe_shard(desc, shape)})"]
 
 
