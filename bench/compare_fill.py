@@ -52,7 +52,8 @@ def worker_case(name: str, mode: str, source: str, work: Path, base_url: str | N
                 "process_wall_s": d["process_wall_s"], "bytes_pulled_per_rank": [r["bytes_pulled"] for r in ranks],
                 "read_bytes_per_rank": [r["read_bytes"] for r in ranks], "rchar_per_rank": [r["rchar"] for r in ranks],
                 "bytes_served_by_service": d["served"], "logits_sum": [r["logits_sum"] for r in ranks],
-                "dtype": ranks[0]["dtype"]}
+                "dtype": ranks[0]["dtype"], "rss_anon_mib_per_rank": [r["rss_anon_mib"] for r in ranks],
+                "rss_file_mib_per_rank": [r["rss_file_mib"] for r in ranks]}
 
     return Case(name, [torchrun(), "-m", "bench.fill_worker", mode, source], runner=runner, extra=extra,
                 note=f"torchrun --nproc-per-node {TP}: {mode} from {'the service' if base_url else 'the full checkpoint'}")

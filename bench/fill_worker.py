@@ -5,8 +5,8 @@
 
 `RESHARD_T0` (the launch time) makes `ready_s` count from launch: interpreter and torch start-up,
 process group, building and loading, until the model is ready. Each rank writes OUT_DIR/rank-R.json:
-ready_s, load_s (from the first model call), the bytes it pulled (fill) and its /proc/self/io read
-counters, and a checksum of its logits for 8 fixed tokens (equal in both modes).
+ready_s, load_s (from the first model call), the bytes it pulled (fill), its /proc/self/io read
+counters and RssAnon/RssFile when ready, and a checksum of its logits for 8 fixed tokens (equal in both modes).
 """
 
 from __future__ import annotations
@@ -24,6 +24,13 @@ def _io() -> dict[str, int]:
         k, v = line.split(":")
         out[k] = int(v)
     return out
+
+
+def _status_mib(field: str) -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
 
 
 def main(mode: str, source: str, out_dir: str) -> None:
@@ -47,11 +54,12 @@ def main(mode: str, source: str, out_dir: str) -> None:
     else:
         raise SystemExit(f"unknown mode {mode!r}")
     load_s, ready_s, io1 = time.perf_counter() - t_load, time.time() - t0, _io()
+    memory = {"rss_anon_mib": _status_mib("RssAnon"), "rss_file_mib": _status_mib("RssFile")}  # at ready
     with torch.no_grad():
         logits = model(input_ids=torch.arange(8).reshape(1, 8)).logits
     result = {"rank": rank, "ready_s": ready_s, "load_s": load_s, "bytes_pulled": pulled,
               "read_bytes": io1["read_bytes"] - io0["read_bytes"], "rchar": io1["rchar"] - io0["rchar"],
-              "logits_sum": float(logits.double().sum()), "dtype": str(next(model.parameters()).dtype)}
+              "logits_sum": float(logits.double().sum()), "dtype": str(next(model.parameters()).dtype), **memory}
     Path(out_dir, f"rank-{rank}.json").write_text(json.dumps(result))
     dist.barrier()
     dist.destroy_process_group()
