@@ -66,6 +66,16 @@ def markdown(results: dict[str, Any]) -> str:
                       f"{b['replicated_per_rank'] / 1e6:.2f} MB replicated; the full checkpoint is {b['full'] / 1e6:.1f} MB; "
                       f"the service counted {b['served_by_service_per_run'][-1] / 1e6:.1f} MB sent per run, all ranks). "
                       f"Warm-up: {comp.get('warmup', 'one untimed round')}."]
+        if "fill_ratio_ready" in comp:  # bench/compare_fill.py
+            t, f, b = comp["cases"]["from_pretrained"], comp["cases"]["fill_model"], comp["bytes"]
+            lines += ["", f"TP worker start-up (tp={comp.get('tp')}): ready {f['median_ready_s']:.1f} s with "
+                      f"`empty_tp_model` + `fill_model` from the service vs {t['median_ready_s']:.1f} s with "
+                      f"`from_pretrained(tp_plan=\"auto\")` ({comp['fill_ratio_ready']:.2f}x; loading alone "
+                      f"{f['median_load_s']:.1f} s vs {t['median_load_s']:.1f} s, {comp['fill_ratio_load']:.2f}x). Bytes per "
+                      f"rank pulled: {', '.join(f'{x / 1e6:.1f} MB' for x in b['fill_pulled_per_rank'])} "
+                      f"(service counted {b['served_by_service_per_run'][-1] / 1e6:.1f} MB a run, all ranks), vs the "
+                      f"{b['from_pretrained_mapped_per_rank'] / 1e6:.1f} MB checkpoint each `from_pretrained` rank maps. "
+                      f"Logits agree: {comp['logits_agree']}."]
     if results.get("targets"):
         lines += ["", "| target | value | goal | met |", "|---|---|---|---|"]
         for t in results["targets"]:

@@ -1,4 +1,4 @@
-"""`python -m bench [--full] [--only write,serve,train]`: the side-by-side benchmark suite.
+"""`python -m bench [--full] [--only write,serve,train,fill]`: the side-by-side benchmark suite.
 
 Quick mode (default, a few minutes): the 1 GB checkpoint, 3 interleaved reps, the main variant of
 each comparison. Full mode (~30 minutes): also tp=2 and tp=8, tp=4 shards -> tp=2, the 4 GB
@@ -25,7 +25,8 @@ from bench.report import markdown, save
 from bench.targets import evaluate
 
 RESULTS = Path(__file__).resolve().parent / "results"
-COMPARISONS = ("write", "serve", "train")
+COMPARISONS = ("write", "serve", "train", "fill")
+QUICK = ("write", "serve", "train")  # fill (TP worker start-up, ~1 min a round) only with --full or --only
 
 
 def machine() -> str:
@@ -58,14 +59,16 @@ def git_state() -> dict[str, Any]:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--full", action="store_true", help="the full suite (~30 min) instead of quick mode (<5 min)")
-    p.add_argument("--only", default=",".join(COMPARISONS), help=f"comma-separated subset of {','.join(COMPARISONS)}")
+    p.add_argument("--only", default=None, help=f"comma-separated subset of {','.join(COMPARISONS)} "
+                   f"(default: all with --full, else {','.join(QUICK)})")
     p.add_argument("--reps", type=int, default=3, help="timed rounds per comparison (after one warm-up round)")
     p.add_argument("--data", type=Path, default=data.DATA, help="where checkpoints and outputs go (git-ignored)")
     p.add_argument("--out", type=Path, default=RESULTS, help="results directory")
     p.add_argument("--size", choices=sorted(data.SIZES), default=None, help=argparse.SUPPRESS)
     p.add_argument("--keep-data", action="store_true", help="keep the 4 GB checkpoint after a full run")
     args = p.parse_args(argv)
-    args.only = [x.strip() for x in args.only.split(",") if x.strip()]
+    only = args.only if args.only is not None else ",".join(COMPARISONS if args.full else QUICK)
+    args.only = [x.strip() for x in only.split(",") if x.strip()]
     unknown = set(args.only) - set(COMPARISONS)
     if unknown:
         p.error(f"--only: unknown {sorted(unknown)}; choose from {', '.join(COMPARISONS)}")
@@ -107,6 +110,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
             log("bench: comparison 4, trainer start-up")
             results["comparisons"] += run_train(ckpts["1gb"], work, full=args.full, reps=args.reps)
+        if "fill" in args.only:
+            from bench.compare_fill import run_fill
+
+            log("bench: comparison 5, TP worker start-up (transformers from_pretrained vs fill_model)")
+            results["comparisons"] += run_fill(ckpts["1gb"], work, full=args.full, reps=args.reps)
     finally:
         shutil.rmtree(work, ignore_errors=True)
         if "4gb" in ckpts and not args.keep_data:

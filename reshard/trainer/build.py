@@ -31,32 +31,41 @@ def is_url(source: str | Path) -> bool:
 
 
 def open_rank_stream(
-    source: str | Path, rank: int, tp: int, *, token: str | None = None
-) -> tuple[dict[str, Any], Iterator[Any], str | None, str]:
-    """(config, byte chunks of this rank's file, expected sha256 or None, a name for errors)."""
+    source: str | Path, rank: int, tp: int, *, token: str | None = None, need_config: bool = True,
+) -> tuple[dict[str, Any] | None, Iterator[Any], str | None, str]:
+    """(config, byte chunks of this rank's file, expected sha256 or None, a name for errors).
+
+    `source` is a shard directory, the service's checkpoint URL, or one rank file (whose own header
+    says its rank and tp). The config is None only when absent and `need_config` is false."""
     if is_url(source):
         from reshard.client import ShardClient
 
         client = ShardClient(str(source), token=token)
         config = client.info().get("config")
         if not isinstance(config, dict):
-            raise CheckpointError(f"{source}: the checkpoint has no config.json; the trainer needs one")
+            config = _no_config(f"{source}: the checkpoint has no config.json", need_config)
         return config, iter(client.iter_shard(rank, tp)), None, f"{source} rank {rank}/{tp}"
-    root = Path(source)
-    path = root / rank_file_name(rank, tp)
+    path = Path(source)
+    root = path.parent if path.is_file() else path
+    if not path.is_file():
+        path = root / rank_file_name(rank, tp)
     if not path.is_file():
         have = sorted({int(m.group(2)) for p in root.glob("rank-*") if (m := RANK_FILE.fullmatch(p.name))})
         raise CheckpointError(
             f"{root}: no {path.name} for tp={tp} (shards here are for tp={have or 'none'}); "
             f"run `reshard write {root} --tp {tp} -o DIR`"
         )
-    if not (root / CONFIG_NAME).is_file():
-        raise CheckpointError(f"{root}: no config.json beside the rank files; the trainer needs one")
-    config = json.loads((root / CONFIG_NAME).read_text())
+    config = json.loads((root / CONFIG_NAME).read_text()) if (root / CONFIG_NAME).is_file() \
+        else _no_config(f"{root}: no config.json beside the rank files", need_config)
     sha = None
     if (root / MANIFEST_NAME).is_file():
         sha = json.loads((root / MANIFEST_NAME).read_text()).get("files", {}).get(path.name, {}).get("sha256")
     return config, file_chunks(path), sha, str(path)
+
+
+def _no_config(what: str, need_config: bool) -> None:
+    if need_config:
+        raise CheckpointError(f"{what}; the trainer needs one")
 
 
 def build_model(

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from reshard.errors import HeaderError, IntegrityError, PlanError
+from reshard.errors import HeaderError, IntegrityError, PlanError, ReshardError
 from reshard.format import MAX_HEADER_BYTES, parse_header
 from reshard.quant.dequant import Dequantizer
 from reshard.tensors import TORCH_DTYPES
@@ -70,7 +70,9 @@ def fill_parameters(
     header: RankHeader, rest: Iterable[memoryview | bytes], targets: dict[str, torch.Tensor], *,
     sha256: str | None = None, leftover: bytes | bytearray = b"", keep: bool = False,
 ) -> None:
-    """Copy every tensor of the stream into `targets[name]` (materialized, contiguous, same shape).
+    """Copy every tensor of the stream into `targets[name]` (materialized, same shape; a view into a
+    larger tensor is fine, and a dtype other than the shard's is cast). On a failure the error says
+    how many tensors had been filled.
 
     `leftover` is what came after the header in its chunk; `rest` yields the remaining bytes.
     With `sha256`, the whole stream (header included) must hash to it. FP8 weights are dequantized
@@ -99,7 +101,21 @@ def fill_parameters(
         for c in rest:
             yield memoryview(c)
 
-    it = chunks()
+    done: list[str] = []  # names fully written; `partial` the one whose bytes began to land
+    partial: list[str] = []
+    try:
+        _copy(header, plans, chunks(), sha, quant, targets, done, partial)
+        if sha is not None and sha.hexdigest() != sha256:
+            raise IntegrityError(f"{header.source}: sha256 {sha.hexdigest()} does not match the recorded {sha256}")
+    except ReshardError as e:  # a truncated or corrupt stream, or a failed download: say what was written
+        half = f" and {partial[0]} in part" if partial and partial[0] not in done else ""
+        raise type(e)(f"{e}; {len(done)} of {len(plans)} tensors had been filled{half}, so the parameters hold an "
+                      "incomplete or unverified shard: fill them again before use") from None
+    header.tensors = quant.dequantized()  # what the model now holds, for `save_rank_shard`
+
+
+def _copy(header: RankHeader, plans: list[tuple[str, torch.Tensor, torch.dtype, bool]], it: Iterator[memoryview],
+          sha: Any, quant: Dequantizer, targets: dict[str, torch.Tensor], done: list[str], partial: list[str]) -> None:
     pending = memoryview(b"")
     for name, t, src_dtype, direct in plans:
         staging = t if direct else torch.empty(t.shape, dtype=src_dtype)
@@ -117,16 +133,16 @@ def fill_parameters(
             dst[got : got + n] = pending[:n]
             pending = pending[n:]
             got += n
+            if direct:
+                partial[:] = [name]
         if not direct:
             with torch.no_grad():
                 for target, value in quant.feed(name, staging):  # an FP8 weight: dequantized
                     targets[target].copy_(value)
+        done.append(name)
     # exhaust the stream (an HTTP client verifies its digest at the end); nothing may follow
     if len(pending) or any(len(c) for c in it):
         raise IntegrityError(f"{header.source}: bytes after the last tensor")
-    if sha is not None and sha.hexdigest() != sha256:
-        raise IntegrityError(f"{header.source}: sha256 {sha.hexdigest()} does not match the recorded {sha256}")
-    header.tensors = quant.dequantized()  # what the model now holds, for `save_rank_shard`
 
 
 def file_chunks(path: Path, chunk: int = 8 << 20) -> Iterator[bytes]:

@@ -1,0 +1,78 @@
+"""A transformers TP model with no weights read: the steps `from_pretrained(tp_plan="auto")` takes,
+minus loading the checkpoint, so that `fill_model` can fill it from a rank shard.
+
+    model = empty_tp_model("http://HOST:PORT/v1/checkpoints/NAME")    # or a directory, or a config
+    fill_model(model, "http://HOST:PORT/v1/checkpoints/NAME")
+
+transformers 5.24 has no public "build me an empty TP model" call. `from_pretrained` does, in order:
+`prepare_distribute_model` (the device mesh), build the model on the meta device,
+`maybe_distribute_model` (its `tp_plan` turned into DTensor parameters, still on meta), load the
+weights, then materialize what was not loaded and initialize non-persistent buffers. The first three
+are public methods of `PreTrainedModel`, called here as `from_pretrained` calls them; then the model is
+materialized with `to_empty` and its non-persistent buffers (rotary `inv_freq`) recomputed the way
+transformers does after a distributed-checkpoint load: every parameter is marked initialized and
+`initialize_weights()` runs (it then touches only the buffers).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from reshard.errors import CheckpointError
+from reshard.format import CONFIG_NAME
+from reshard.tp.comm import tp_world_size
+from reshard.trainer.build import is_url
+
+
+def source_config(source: str | Path, *, token: str | None = None) -> dict[str, Any]:
+    """config.json of a checkpoint or shard directory, of a rank file's directory, or from the service."""
+    if is_url(source):
+        from reshard.client import ShardClient
+
+        with ShardClient(str(source), token=token) as client:
+            config = client.info().get("config")
+    else:
+        path = Path(source)
+        path = (path if path.is_dir() else path.parent) / CONFIG_NAME
+        config = json.loads(path.read_text()) if path.is_file() else None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{source}: no config.json; pass the model's config instead")
+    return config
+
+
+def empty_tp_model(
+    config: str | Path | dict[str, Any] | Any, *, tp: int | None = None, dtype: torch.dtype | None = None,
+    device: str | torch.device = "cpu", auto_class: Any = None, token: str | None = None,
+) -> nn.Module:
+    """transformers' model for `config` (a source as in `source_config`, a config.json dict or a
+    `PretrainedConfig`), tensor-parallel by its own `tp_plan` over `tp` ranks (default: the world),
+    materialized on `device` with uninitialized parameters. `auto_class` defaults to AutoModelForCausalLM."""
+    import transformers
+    from transformers.distributed import DistributedConfig
+
+    if isinstance(config, (str, Path)):
+        config = source_config(config, token=token)
+    if isinstance(config, dict):
+        config = transformers.AutoConfig.for_model(**config)
+    auto_class = auto_class or transformers.AutoModelForCausalLM
+    tp = tp or tp_world_size()
+    with torch.device("meta"):
+        model = auto_class.from_config(config, **({"dtype": dtype} if dtype is not None else {}))
+    cls = type(model)
+    if tp > 1:
+        distributed, _, mesh = cls.prepare_distribute_model(DistributedConfig(tp_size=tp))
+        model = cls.maybe_distribute_model(model, distributed, mesh)
+    model.to_empty(device=device)
+    for t in model.state_dict(keep_vars=True).values():
+        t._is_hf_initialized = True
+    model.initialize_weights()  # only the non-persistent buffers are left to initialize
+    model.tie_weights()
+    return model.eval()
+
+
+__all__ = ["empty_tp_model", "source_config"]

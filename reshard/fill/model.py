@@ -1,0 +1,253 @@
+"""`fill_model`: fill any TP model (plain tensors or DTensors) with this rank's shard, as it streams.
+
+    model = ...                    # built on meta, parallelized (transformers tp_plan or parallelize_module),
+    model.to_empty(device="cpu")   # then materialized without reading any weights
+    report = fill_model(model, "http://HOST:PORT/v1/checkpoints/NAME")   # or a shard dir, or a rank file
+    print(report)                  # tensors filled, bytes pulled, seconds, dtype casts
+
+The source's rank and tp come from `group` (default: the DTensors' 1-D mesh, else the world). Before
+any byte is copied, every shard tensor is matched to a parameter or persistent buffer by name (through
+transformers' checkpoint renamings, and for per-expert MoE tensors to a view into the fused expert
+parameter, see `reshard.experts`), its local
+shape is compared, and for a DTensor the global indices it holds (as DTensor chunks it: `Shard(d)`,
+`_StridedShard`, uneven last ranks) are compared with the selection the shard's self-description
+records. Any disagreement is one `PlanError` naming each parameter, both shapes and both layouts,
+with missing and unexpected names listed; nothing is filled then. The bytes then go straight into the
+parameters (`reshard.trainer.fill.fill_parameters`), cast where the dtypes differ, sha256 checked.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from reshard.errors import CheckpointError, PlanError
+from reshard.experts import ExpertView, checkpoint_renamer, expert_views, fused_rules
+from reshard.tensors import TORCH_DTYPES
+from reshard.tp.comm import tp_rank, tp_world_size
+from reshard.trainer.build import open_rank_stream
+from reshard.trainer.fill import RankHeader, fill_parameters, read_header_from
+
+Held = tuple[tuple[int, ...] | None, ...]
+_LIST = 6  # names shown per list in an error
+
+
+@dataclass
+class FillReport:
+    """What `fill_model` did: tensors filled (per-expert ones into fused parameters counted apiece),
+    bytes pulled (the whole rank file), seconds, and name -> (shard dtype, parameter dtype) casts."""
+
+    source: str
+    rank: int
+    tp: int
+    tensors: int
+    bytes: int
+    seconds: float
+    casts: dict[str, tuple[str, str]] = field(default_factory=dict)
+    fused: int = 0
+
+    def __str__(self) -> str:
+        casts = sorted({f"{a}->{b}" for a, b in self.casts.values()})
+        cast = f"; cast {len(self.casts)} tensors ({', '.join(casts)})" if casts else ""
+        fused = f" ({self.fused} per-expert tensors into fused parameters)" if self.fused else ""
+        return (f"filled {self.tensors} tensors{fused}, {self.bytes / 1e6:.1f} MB from {self.source} "
+                f"(rank {self.rank} of tp={self.tp}) in {self.seconds:.2f} s{cast}")
+
+
+def fill_model(model: nn.Module, source: str | Path, *, group: ProcessGroup | None = None,
+               token: str | None = None) -> FillReport:
+    """Fill every parameter and persistent buffer of `model` with this rank's shard of `source`: a
+    rank-shard directory, the service's checkpoint URL, or one rank file. See the module docstring."""
+    t0 = time.perf_counter()
+    group = group if group is not None else _mesh_group(model)
+    tp, rank = tp_world_size(group), tp_rank(group)
+    _config, chunks, sha, name = open_rank_stream(source, rank, tp, token=token, need_config=False)
+    try:
+        header, leftover = read_header_from(chunks, name)
+        if (header.tp, header.rank) != (tp, rank):
+            raise CheckpointError(f"{name}: is the shard of rank {header.rank} of tp={header.tp}, but this process is "
+                                  f"rank {rank} of tp={tp}; give it rank {rank}'s shard of tp={tp}; nothing was filled")
+        targets, fused = match_targets(model, header)
+        casts = {n: (_dtype_name(TORCH_DTYPES[header.entries[n]["dtype"]]), _dtype_name(t.dtype))
+                 for n, t in targets.items() if TORCH_DTYPES[header.entries[n]["dtype"]] != t.dtype}
+        fill_parameters(header, chunks, targets, sha256=sha, leftover=leftover)
+    finally:
+        close = getattr(chunks, "close", None)
+        if close is not None:
+            close()
+    return FillReport(name, rank, tp, len(targets), header.total, time.perf_counter() - t0, casts, fused)
+
+
+def match_targets(model: nn.Module, header: RankHeader) -> tuple[dict[str, torch.Tensor], int]:
+    """Shard tensor name -> the tensor its bytes go into (a DTensor's local tensor, or a view into a
+    fused expert parameter), after every check; raises one `PlanError` listing every disagreement."""
+    state = model.state_dict(keep_vars=True)  # parameters and persistent buffers, tied aliases included
+    rename = checkpoint_renamer(model)
+    as_model = {n: rename(n) for n in header.entries}  # shard (checkpoint) name -> the model's name for it
+    shapes = {n: tuple(e["shape"]) for n, e in header.entries.items()}
+    described = {n: header.tensors.get(n, {}) for n in shapes}
+    targets: dict[str, torch.Tensor] = {}
+    problems: list[str] = []
+    with torch.no_grad():
+        for n in sorted(n for n in shapes if as_model[n] in state):
+            p = state[as_model[n]]
+            targets[n] = _local(p)
+            problems += _check(n, targets[n], _held(p), described[n], shapes[n], lambda p=p: _describe_param(p))
+        rest = {as_model[n]: n for n in shapes if n not in targets}
+        views = expert_views(state, {m: shapes[n] for m, n in rest.items()}, fused_rules(model), local=_local,
+                             held=_held, global_shapes={m: described[n].get("shape", shapes[n]) for m, n in rest.items()})
+        for m, v in views.items():
+            n = rest[m]
+            targets[n] = v.view
+            problems += _check(n, v.view, v.held, described[n], shapes[n], lambda v=v: (
+                f"expert {v.expert} of {v.param}, a view of {_describe_param(state[v.param])}"))
+    covered = {id(state[v.param]) for v in views.values()} | {id(state[as_model[n]]) for n in targets if as_model[n] in state}
+    missing = sorted(n for n, t in state.items() if id(t) not in covered)  # a tied alias is covered by its twin
+    missing += _missing_experts(views, state)
+    unexpected = sorted(shapes.keys() - targets.keys())
+    if missing or unexpected:
+        problems.insert(0, f"missing from the shard: {_names(missing)}; in the shard but not in the model: "
+                           f"{_names(unexpected)}")
+    if problems:
+        more = f" (and {len(problems) - _LIST} more)" if len(problems) > _LIST else ""
+        raise PlanError(f"{header.source}: shard and model disagree, nothing was filled: "
+                        + "; ".join(problems[:_LIST]) + more)
+    return targets, len(views)
+
+
+def _check(name: str, local: torch.Tensor, held: Held, desc: dict[str, Any], shape: tuple[int, ...],
+           model_layout: Callable[[], str]) -> list[str]:
+    """One line if the local tensor's shape or held indices disagree with the shard tensor's."""
+    select = desc.get("select")
+    wrong = tuple(local.shape) != shape
+    if not wrong and select is not None:
+        wrong = any(h is not None and _runs(h) != _merge(sel) for h, sel in zip(held, select))
+    if not wrong:
+        return []
+    return [f"{name}: the model has shape {list(local.shape)} ({model_layout()}), the shard has shape {list(shape)} "
+            f"({_describe_shard(desc, shape)})"]
+
+
+def _mesh_group(model: nn.Module) -> ProcessGroup | None:
+    """The process group of the first DTensor parameter's 1-D mesh (None: the default group)."""
+    from torch.distributed.tensor import DTensor
+
+    for p in model.parameters():
+        if isinstance(p, DTensor) and p.device_mesh.ndim == 1:
+            return p.device_mesh.get_group()
+    return None
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _held(t: torch.Tensor) -> Held:
+    """The global indices a DTensor's local tensor holds along each dim, as DTensor itself chunks them
+    (found by distributing small index tensors; no communication). None per dim for a plain tensor."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if not isinstance(t, DTensor):
+        return (None,) * t.ndim
+    placements, mesh, shape = t.placements, t.device_mesh, tuple(t.shape)
+    if any(not hasattr(p, "dim") and not p.is_replicate() for p in placements):
+        raise PlanError(f"a parameter of shape {list(shape)} has placements {placements}; fill_model fills "
+                        "Shard, _StridedShard and Replicate parameters only")
+    sharded = {p.dim % len(shape) for p in placements if hasattr(p, "dim")}
+    spread = mesh.size() * max([getattr(p, "split_factor", 1) for p in placements] + [1])
+    held: list[tuple[int, ...] | None] = []
+    for d, size in enumerate(shape):
+        if d not in sharded:
+            held.append(tuple(range(size)))
+            continue
+        small = [size if j == d else (min(n, spread) if j in sharded else 1) for j, n in enumerate(shape)]
+        idx = torch.arange(size).reshape([size if j == d else 1 for j in range(len(shape))]).expand(small)
+        loc = distribute_tensor(idx.contiguous(), mesh, placements, src_data_rank=None).to_local()
+        if loc.numel() == 0:
+            held.append(())
+            continue
+        held.append(tuple(loc[tuple(slice(None) if j == d else 0 for j in range(len(shape)))].tolist()))
+    return tuple(held)
+
+
+def _runs(indices: Sequence[int]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for i in indices:
+        if out and out[-1][1] == i:
+            out[-1] = (out[-1][0], i + 1)
+        else:
+            out.append((i, i + 1))
+    return out
+
+
+def _merge(intervals: Iterable[Sequence[int]]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for a, b in intervals:
+        if a == b:
+            continue
+        if out and out[-1][1] == a:
+            out[-1] = (out[-1][0], b)
+        else:
+            out.append((int(a), int(b)))
+    return out
+
+
+def _spans(runs: Iterable[tuple[int, int]]) -> str:
+    return "+".join(f"{a}:{b}" for a, b in runs) or "nothing"
+
+
+def _describe_param(t: torch.Tensor) -> str:
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(t, DTensor):
+        return f"a plain {_dtype_name(t.dtype)} tensor"
+    held = _held(t)
+    dims = ", ".join(f"dim {d} {_spans(_runs(h))} of {n}" for d, (h, n) in enumerate(zip(held, t.shape))
+                     if h is not None and len(h) != n)
+    return (f"DTensor {tuple(t.placements)} of global {list(t.shape)} on a {t.device_mesh.size()}-rank mesh, "
+            f"holding {dims or 'all of it'}")
+
+
+def _describe_shard(desc: dict[str, Any], shape: tuple[int, ...]) -> str:
+    kind, gshape, select = desc.get("kind", "?"), desc.get("shape", list(shape)), desc.get("select") or []
+    dims = ", ".join(f"dim {d} {_spans(_merge(sel))} of {n}" for d, (sel, n) in enumerate(zip(select, gshape))
+                     if _merge(sel) != [(0, n)])
+    options = f" {desc['options']}" if desc.get("options") else ""
+    return f"kind {kind}{options} of global {list(gshape)}, holding {dims or 'all of it'}"
+
+
+def _missing_experts(views: dict[str, ExpertView], state: dict[str, torch.Tensor]) -> list[str]:
+    """Fused parameters that the shard's per-expert tensors cover only in part."""
+    seen: dict[str, set[tuple[int, int]]] = {}
+    for v in views.values():
+        seen.setdefault(v.param, set()).add((v.source, v.expert))
+    out = []
+    for param, got in seen.items():
+        experts = _held(state[param])[0] or tuple(range(_local(state[param]).shape[0]))
+        sources = next(v.sources for v in views.values() if v.param == param)
+        if len(got) != sources * len(experts):
+            out.append(f"{param} (the shard has {len(got)} of its {sources} x {len(experts)} per-expert tensors)")
+    return out
+
+
+def _names(names: Sequence[str]) -> str:
+    if not names:
+        return "none"
+    more = f" and {len(names) - _LIST} more" if len(names) > _LIST else ""
+    return ", ".join(names[:_LIST]) + more
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+__all__ = ["FillReport", "fill_model", "match_targets"]
