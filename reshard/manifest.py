@@ -143,7 +143,12 @@ def _plan_names(entry: Any) -> list[str]:
     """Stand-in tensor names when none are given: each plan key's weight and bias, layer 0."""
     names = []
     for key in entry.full_plan():
-        names += [f"{key.replace('*', '0')}.weight", f"{key.replace('*', '0')}.bias"]
+        key = key.replace("*", "0")
+        parent, _, leaf = key.rpartition(".")
+        if parent.endswith("experts") or leaf == "sinks":  # the plan names a parameter itself
+            names.append(key)
+        else:
+            names += [f"{key}.weight", f"{key}.bias"]
     return names
 
 
