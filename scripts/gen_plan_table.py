@@ -14,6 +14,8 @@ import argparse
 import json
 import sys
 
+from _generated import write_or_check
+
 from reshard.plans.entry import TABLE_PATH
 from reshard.plans.live import live_entry, plan_model_types, transformers_version
 
@@ -32,13 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true", help="compare with the shipped table instead of writing it")
     args = parser.parse_args(argv)
     text = json.dumps(build(), indent=1, sort_keys=True) + "\n"
-    if args.check:
-        same = TABLE_PATH.read_text(encoding="utf-8") == text
-        print("table is up to date" if same else f"{TABLE_PATH} differs from the installed transformers; rerun")
-        return 0 if same else 1
-    TABLE_PATH.write_text(text, encoding="utf-8")
-    print(f"wrote {TABLE_PATH}: {len(json.loads(text)['plans'])} architectures, transformers {transformers_version()}")
-    return 0
+    return write_or_check(TABLE_PATH, text, check=args.check, done=f"wrote {TABLE_PATH}: {len(json.loads(text)['plans'])} "
+                          f"architectures, transformers {transformers_version()}")
 
 
 if __name__ == "__main__":

@@ -15,10 +15,10 @@ from typing import Any
 
 import pytest
 import torch
-
 from _dist import run_distributed
-from plans.archs import ARCHS, Arch
+
 from plans._hf_tp import dump_hf_tp
+from plans.archs import ARCHS, Arch
 from reshard import cli
 from reshard.source import open_source
 

@@ -35,10 +35,9 @@ class HFNames:
     """transformers' own renaming of checkpoint keys to in-memory names (its conversion mapping)."""
 
     def __init__(self, model_type: str) -> None:
+        from transformers import AutoConfig, AutoModelForCausalLM
         from transformers.conversion_mapping import get_checkpoint_conversion_mapping
         from transformers.core_model_loading import WeightConverter
-
-        from transformers import AutoConfig, AutoModelForCausalLM
 
         # looked up as transformers does on load: the model class's mapping first, then the model_type's
         model_class = AutoModelForCausalLM._model_mapping[type(AutoConfig.for_model(model_type))]
@@ -151,6 +150,41 @@ def test_tp2_equals_transformers_tp(zoo: dict[str, Built], coverage: dict[str, d
     built.require("transformers TP load")
     found = compare_with_transformers(built)
     assert found["sharded"] > 0, "nothing was sharded"
-    if built.arch.moe and model_type != "granitemoe":
+    if built.arch.moe and "fused_experts" not in built.arch.traits:
         assert found["fused_experts"], "no per-expert tensor was compared with transformers' fused experts"
-    record.update(equal_tp2=True, **found)
+    record.update(equal_tp2=True, fused_on_disk="fused_experts" in built.arch.traits and not found["fused_experts"]
+                  and model_type != "gpt_oss", **found)
+
+
+GPT_OSS_RULES = """\
+# gpt-oss experts are fused on disk with gate and up interleaved on the last dim ([E, hidden, 2*inter]):
+# a contiguous split of that dim keeps every (gate, up) pair on one rank.
+rules:
+  - {regex: 'model\\.layers\\.\\d+\\.mlp\\.experts\\.gate_up_proj(_bias)?', kind: expert_row}
+  - {regex: 'model\\.layers\\.\\d+\\.mlp\\.experts\\.down_proj', kind: expert_column}
+"""
+
+
+def test_gpt_oss_fused_experts_by_rules_file(zoo: dict[str, Built], tmp_path: Path) -> None:
+    """transformers' gpt_oss plan shards only the embedding (its experts go to expert parallelism): a rules
+    file splits the fused on-disk experts, every rank holding whole (gate, up) pairs of its inter slice."""
+    import shutil
+
+    from reshard import cli
+
+    built = zoo["gpt_oss"]
+    built.require("build")
+    ckpt = Path(shutil.copytree(built.ckpt, tmp_path / "ckpt"))
+    (ckpt / "reshard-rules.yaml").write_text(GPT_OSS_RULES)
+    assert cli.main(["write", str(ckpt), "--tp", "2", "-o", str(tmp_path / "out"), "--no-progress"]) == 0
+    full = _full_checkpoint(ckpt)
+    for rank in range(2):
+        got = load_file(str(tmp_path / "out" / rank_file_name(rank, 2)))
+        for layer in range(2):
+            pre = f"model.layers.{layer}.mlp.experts."
+            gate_up, bias, down = full[pre + "gate_up_proj"], full[pre + "gate_up_proj_bias"], full[pre + "down_proj"]
+            for view in (slice(0, None, 2), slice(1, None, 2)):  # gate, then up: this rank's inter slice of each
+                _same(got[pre + "gate_up_proj"][..., view], torch.chunk(gate_up[..., view], 2, dim=-1)[rank], pre)
+                _same(got[pre + "gate_up_proj_bias"][..., view], torch.chunk(bias[..., view], 2, dim=-1)[rank], pre)
+            _same(got[pre + "down_proj"], torch.chunk(down, 2, dim=1)[rank], pre + "down_proj")
+            _same(got[pre + "down_proj_bias"], full[pre + "down_proj_bias"], pre + "down_proj_bias")
