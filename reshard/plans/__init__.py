@@ -20,7 +20,9 @@ from reshard.plans.live import live_entry, transformers_version
 
 __all__ = ["PlanEntry", "resolve_plan", "entry_for", "table_entry", "live_entry", "load_table"]
 
-# set to "table" to ignore an installed transformers (reproducible plans across environments)
+# "table": ignore an installed transformers; "live": always read it (by default it is read only when its
+# version differs from the table's: the same version's plans are the table, byte for byte, as
+# tests/plans checks, and reading them costs seconds of imports)
 SOURCE_ENV = "RESHARD_PLAN_SOURCE"
 
 
@@ -31,10 +33,16 @@ def _live(model_type: str) -> PlanEntry | None:
 
 def entry_for(model_type: str) -> tuple[PlanEntry | None, str]:
     """The plan entry for `model_type` and its source line (live transformers first, then the table)."""
-    if os.environ.get(SOURCE_ENV) != "table" and transformers_version() is not None:
+    mode, installed = os.environ.get(SOURCE_ENV, "auto"), transformers_version()
+    if mode not in ("auto", "live", "table"):
+        raise ManifestError(f"{SOURCE_ENV}={mode!r}: expected auto, live or table")
+    if mode != "table" and installed is not None:
+        if mode == "auto" and installed == table_version() and table_entry(model_type) is not None:
+            return table_entry(model_type), (f"transformers {installed} plan for model_type {model_type!r} "
+                                              f"(the shipped table of that version)")
         entry = _live(model_type)
         if entry is not None:
-            return entry, f"transformers {transformers_version()} plan for model_type {model_type!r}"
+            return entry, f"transformers {installed} plan for model_type {model_type!r}"
     entry = table_entry(model_type)
     return entry, f"shipped plan table (transformers {table_version()}) for model_type {model_type!r}"
 

@@ -15,11 +15,13 @@ _KNOWN_OPS = {"MergeModulelist": "dim", "Concatenate": "dim"}
 
 
 def transformers_version() -> str | None:
+    """The installed transformers' version, from its package metadata (no import), or None."""
+    from importlib.metadata import PackageNotFoundError, version
+
     try:
-        import transformers
-    except ImportError:
+        return version("transformers")
+    except PackageNotFoundError:
         return None
-    return str(transformers.__version__)
 
 
 def _quiet_import() -> Any:

@@ -137,7 +137,7 @@ def test_plan_json_names_plan_source_and_kinds(tmp_path: Path, capsys: pytest.Ca
     rc, out, err = run_cli(["plan", ckpt, "--tp", 2, "--json"], capsys)
     assert (rc, err) == (0, "")
     doc = json.loads(out)
-    assert doc["manifest_source"] == f"transformers {TRANSFORMERS} plan for model_type 'llama'"
+    assert doc["manifest_source"].startswith(f"transformers {TRANSFORMERS} plan for model_type 'llama'")
     kinds = {t["name"]: t["kind"] for t in doc["ranks"][0]["tensors"]}
     assert kinds["model.layers.0.self_attn.q_proj.weight"] == "column"
     assert kinds["model.layers.0.self_attn.o_proj.weight"] == "row"

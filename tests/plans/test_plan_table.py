@@ -52,7 +52,7 @@ def test_table_gives_the_same_manifest_as_live_plans(monkeypatch: pytest.MonkeyP
         assert live.to_dict() == shipped.to_dict(), model_type
         config = {"model_type": model_type, **live.defaults}
         names = _plan_names(live)
-        monkeypatch.delenv(SOURCE_ENV, raising=False)
+        monkeypatch.setenv(SOURCE_ENV, "live")
         got_live = _manifest_or_error(config, names)
         monkeypatch.setenv(SOURCE_ENV, "table")
         got_table = _manifest_or_error(config, names)
@@ -64,7 +64,12 @@ def test_plan_names_its_source(tmp_path: Path, capsys: pytest.CaptureFixture[str
     ckpt = make_checkpoint(tmp_path / "ckpt", llama_config(model_type="mistral", **SIZES), num_files=2, seed=3)
     rc, out, err = run_cli(["plan", ckpt, "--tp", 2], capsys)
     assert (rc, err) == (0, "")
-    assert f"manifest:   transformers {transformers.__version__} plan for model_type 'mistral'" in out
+    assert (f"manifest:   transformers {transformers.__version__} plan for model_type 'mistral' "
+            f"(the shipped table of that version)") in out
+    monkeypatch.setenv(SOURCE_ENV, "live")
+    rc, out_live, err = run_cli(["plan", ckpt, "--tp", 2, "--json"], capsys)
+    assert (rc, err) == (0, "")
+    assert json.loads(out_live)["manifest_source"] == f"transformers {transformers.__version__} plan for model_type 'mistral'"
     monkeypatch.setenv(SOURCE_ENV, "table")
     rc, out_table, err = run_cli(["plan", ckpt, "--tp", 2, "--json"], capsys)
     assert (rc, err) == (0, "")
@@ -77,6 +82,7 @@ def test_plan_names_its_source(tmp_path: Path, capsys: pytest.CaptureFixture[str
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout) == doc
+    assert json.loads(out_live)["ranks"] == doc["ranks"]
     # a rules file in the directory wins over every plan
     (ckpt / "reshard-rules.yaml").write_text("rules:\n  - {pattern: 'model.norm.weight', kind: replicate}\n")
     rc, out, err = run_cli(["plan", ckpt, "--tp", 2], capsys)
