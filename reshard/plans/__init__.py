@@ -15,6 +15,7 @@ from functools import lru_cache
 from typing import Any
 
 from reshard.errors import ManifestError
+from reshard.plans import mla as _mla  # noqa: F401  (registers the optional MLA-by-heads config rules)
 from reshard.plans.entry import PlanEntry, load_table, table_entry, table_version
 from reshard.plans.live import live_entry, transformers_version
 
