@@ -139,19 +139,6 @@ def register_config_rules(hook: ConfigRuleHook) -> ConfigRuleHook:
     return hook
 
 
-def _plan_names(entry: Any) -> list[str]:
-    """Stand-in tensor names when none are given: each plan key's weight and bias, layer 0."""
-    names = []
-    for key in entry.full_plan():
-        key = key.replace("*", "0")
-        parent, _, leaf = key.rpartition(".")
-        if parent.endswith("experts") or leaf == "sinks":  # the plan names a parameter itself
-            names.append(key)
-        else:
-            names += [f"{key}.weight", f"{key}.bias"]
-    return names
-
-
 def from_config(config: dict[str, Any], tensor_names: Iterable[str] = ()) -> Manifest:
     """Rules for a checkpoint from its config.json alone; `Manifest.source` names the plan used.
 
@@ -163,7 +150,7 @@ def from_config(config: dict[str, Any], tensor_names: Iterable[str] = ()) -> Man
     from reshard.plans.rules import PlanRules
 
     entry, source = resolve_plan(config)
-    names = list(tensor_names) or _plan_names(entry)
+    names = list(tensor_names) or entry.stand_in_names()
     rules = PlanRules(entry, config).rules(names)
     extra = [r for hook in CONFIG_RULE_HOOKS for r in hook(config, names)]
     return Manifest(tuple(extra + rules), False, source)

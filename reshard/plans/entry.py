@@ -52,6 +52,19 @@ class PlanEntry:
         pre = f"{self.prefix}." if self.prefix else ""
         return {**{pre + k: v for k, v in base.items()}, **self.lm_plan}
 
+    def stand_in_names(self) -> list[str]:
+        """Tensor names standing for the plan when a checkpoint's are not at hand: each plan key at layer 0,
+        its `.weight` and `.bias`, or the key itself where it names a parameter (fused experts, sinks)."""
+        names = []
+        for key in self.full_plan():
+            key = key.replace("*", "0")
+            parent, _, leaf = key.rpartition(".")
+            if parent.endswith("experts") or leaf == "sinks":
+                names.append(key)
+            else:
+                names += [f"{key}.weight", f"{key}.bias"]
+        return names
+
     def config_value(self, config: dict[str, Any], key: str) -> Any:
         """`key` from config.json, through the config class's attribute_map, else the class default."""
         for name in (key, self.attribute_map.get(key)):

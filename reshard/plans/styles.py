@@ -13,7 +13,9 @@ that holds the same bytes:
 | embedding_colwise                               | Shard(1)                            | embed_hidden                     |
 | replicate, replicated_with_grad_allreduce, mla_kv_a_proj, all_reduce, moe_tp_experts, moe_identity_expert, local_params, sequence_parallel | no shard (a forward/gradient hook) | replicate (`hf_style` option says which hook) |
 
-One deliberate difference: `colwise_gather_output` on a fused `qkv_proj` / `gate_up_proj` (Phi-3)
+Two deliberate differences. `colwise` on a fused experts `gate_up_proj` (Inkling's plans) would give
+rank 0 all of gate and rank 1 all of up; reshard splits each block (`expert_column` `parts: 2`, like
+`packed_colwise`). `colwise_gather_output` on a fused `qkv_proj` / `gate_up_proj` (Phi-3)
 splits the tensor as one block and gathers the output; reshard splits every block on its own
 (`packed_column` with the block sizes from config.json), so attention and the MLP run sharded, and
 the paired `rowwise_split_input` becomes a plain `row`. The same holds for `colwise_gather_output`
@@ -95,6 +97,11 @@ class StyleMapper:
             return self.for_module(key, style)
         if leaf == "sinks" and style in COLWISE:
             return "column", self._heads(leaf)
+        if style in COLWISE and leaf == "gate_up_proj":
+            # a fused gate|up under plain colwise (Inkling's plans): transformers' Shard(1) hands rank 0 all of
+            # gate and rank 1 all of up, which the experts' `chunk(2)` then misreads; split each block instead,
+            # as `packed_colwise` does for every other MoE plan
+            return "expert_column", {"parts": 2}
         if style in COLWISE or style == "packed_colwise":
             return "expert_column", ({"parts": 2} if style == "packed_colwise" else {})
         if style == "rowwise" and leaf == "bias":

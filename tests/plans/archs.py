@@ -80,6 +80,7 @@ MOES = [
     Arch("flex_olmo", moe=True),
     Arch("hunyuan_v1_moe", moe=True),
     Arch("gpt_oss", {"num_attention_heads": 4, "sliding_window": 8}, moe=True, traits=("fused_experts", "bias")),
+    Arch("inkling_text", moe=True, traits=("fused_experts", "gate_up_colwise")),
     Arch("llama4_text", {"intermediate_size_mlp": 64, "interleave_moe_layer_step": 1, "no_rope_layers": [1, 1]},
          moe=True, traits=("fused_experts",)),
 ]

@@ -74,8 +74,18 @@ def _fuse(conv: Any, pieces: dict[int, dict[int, torch.Tensor]]) -> torch.Tensor
     return tensors[0]
 
 
-def _per_block(t: torch.Tensor, blocks: list[int], rank: int, tp: int) -> torch.Tensor:
-    return torch.cat([torch.chunk(b, tp, dim=0)[rank] for b in torch.split(t, blocks, dim=0)])
+def _per_block(t: torch.Tensor, blocks: list[int], rank: int, tp: int, dim: int = 0) -> torch.Tensor:
+    return torch.cat([torch.chunk(b, tp, dim=dim)[rank] for b in torch.split(t, blocks, dim=dim)], dim=dim)
+
+
+def per_block_split(model_type: str, name: str, t: torch.Tensor, config: dict[str, Any]) -> tuple[int, list[int]] | None:
+    """(dim, block sizes) where reshard splits a fused tensor per block and transformers does not."""
+    if model_type in {"phi3", "glm", "glm4"}:
+        blocks = _blocks(name, config)
+        return (0, blocks) if blocks else None
+    if model_type == "inkling_text" and name.endswith(".experts.gate_up_proj"):  # [E, 2*inter, hidden]
+        return 1, [t.shape[1] // 2] * 2
+    return None
 
 
 def _blocks(name: str, config: dict[str, Any]) -> list[int] | None:
@@ -117,11 +127,12 @@ def compare_with_transformers(built: Built, tp: int = 2) -> dict[str, Any]:
                 continue
             assert mem in theirs, f"{name} -> {mem}: not in transformers' state dict"
             seen.add(mem)
-            blocks = _blocks(name, config) if built.arch.model_type in {"phi3", "glm", "glm4"} else None
-            if blocks is not None and theirs[mem].shape != full[name].shape:
+            split = per_block_split(built.arch.model_type, name, full[name], config)
+            if split is not None and theirs[mem].shape != full[name].shape:
+                dim, blocks = split
                 per_block.add(name)
-                _same(got, _per_block(full[name], blocks, rank, tp), f"{name} rank {rank} (per-block split)")
-                _same(theirs[mem], torch.chunk(full[name], tp, dim=0)[rank], f"transformers' {mem} rank {rank}")
+                _same(got, _per_block(full[name], blocks, rank, tp, dim), f"{name} rank {rank} (per-block split)")
+                _same(theirs[mem], torch.chunk(full[name], tp, dim=dim)[rank], f"transformers' {mem} rank {rank}")
             else:
                 _same(got, theirs[mem], f"{name} rank {rank}")
         for mem, (conv, pieces) in groups.items():
@@ -188,3 +199,27 @@ def test_gpt_oss_fused_experts_by_rules_file(zoo: dict[str, Built], tmp_path: Pa
                 _same(got[pre + "gate_up_proj_bias"][..., view], torch.chunk(bias[..., view], 2, dim=-1)[rank], pre)
             _same(got[pre + "down_proj"], torch.chunk(down, 2, dim=1)[rank], pre + "down_proj")
             _same(got[pre + "down_proj_bias"], full[pre + "down_proj_bias"], pre + "down_proj_bias")
+
+
+def test_inkling_fused_gate_up_keeps_gate_and_up_paired(zoo: dict[str, Built]) -> None:
+    """transformers' inkling_text plan says `colwise` for the fused experts' `gate_up_proj` `[E, 2*inter, hidden]`,
+    whose forward is `gate, up = linear(x, W).chunk(2, -1)`: its Shard(1) gives rank 0 only gate rows, so the
+    ranks' partial expert outputs no longer sum to the full one. reshard's per-block split does."""
+    built = zoo["inkling_text"]
+    built.require("build", "reshard write --tp 2", "transformers TP load")
+    full = _full_checkpoint(built.ckpt)
+    pre = "model.layers.1.mlp.experts."
+    torch.manual_seed(0)
+    x = torch.randn(3, full[pre + "gate_up_proj"].shape[-1])
+
+    def expert(gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+        gate, up = torch.nn.functional.linear(x, gate_up).chunk(2, dim=-1)
+        return torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, down)
+
+    want = expert(full[pre + "gate_up_proj"][0], full[pre + "down_proj"][0])
+    ours = [load_file(str(built.out[2] / rank_file_name(r, 2))) for r in range(2)]
+    theirs = [load_file(str(built.hf_rank_file(r))) for r in range(2)]
+    ours_sum = sum(expert(o[pre + "gate_up_proj"][0], o[pre + "down_proj"][0]) for o in ours)
+    theirs_sum = sum(expert(t[pre + "gate_up_proj"][0], t[pre + "down_proj"][0]) for t in theirs)
+    torch.testing.assert_close(ours_sum, want, rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(theirs_sum, want, rtol=1e-3, atol=1e-4)
