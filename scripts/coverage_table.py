@@ -44,8 +44,9 @@ def render(results: dict, trainer: dict | None) -> str:
     for name, r in archs.items():
         planned = "yes" if r.get("planned_from") else "no"
         equal = _mark(r.get("equal_tp2", False))
-        fused = [role for role, key in (("q\\|k\\|v", ".qkv_proj."), ("gate\\|up", ".gate_up_proj."))
-                 if any(key in n for n in r.get("per_block", ()))]
+        fused = [role for role, key in (("q\\|k\\|v", ".qkv_proj."), ("gate\\|up", ".gate_up_proj."),
+                                        ("experts' gate\\|up", ".experts.gate_up_proj"))
+                 if any(key in n if key.endswith(".") else n.endswith(key) for n in r.get("per_block", ()))]
         if fused:
             equal += f", except fused {', '.join(fused)}: split per block (equal to torch's per-block split)"
         if r.get("fused_experts"):
