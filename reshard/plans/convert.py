@@ -12,6 +12,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+FOLLOWED_OPS = ("MergeModulelist", "Concatenate")
+
 
 @dataclass(frozen=True)
 class Converted:
@@ -19,7 +21,7 @@ class Converted:
 
     name: str
     per_expert: bool = False
-    ops: tuple[tuple[str, Any], ...] = ()
+    other_ops: tuple[str, ...] = ()  # conversion ops besides stacking and concatenating (reshard cannot follow)
 
 
 class _Transform:
@@ -64,5 +66,6 @@ class Conversion:
         for t in self.converters:
             new = t.apply(key)
             if new is not None:
-                return Converted(new, any(op == "MergeModulelist" for op, _ in t.ops), t.ops)
+                other = tuple(op for op, _ in t.ops if op not in FOLLOWED_OPS)
+                return Converted(new, "MergeModulelist" in (op for op, _ in t.ops), other)
         return Converted(key)

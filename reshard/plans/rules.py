@@ -12,12 +12,16 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
+from reshard.errors import ManifestError
 from reshard.manifest import Rule
 from reshard.plans.convert import Conversion
 from reshard.plans.entry import PlanEntry
 from reshard.plans.styles import StyleMapper
 
 _NUMBER = re.compile(r"\.\d+(?=\.|$)")
+# conversion ops that only drop rows (dim 0): a split of another dim holds the same columns of every row kept
+DIM0_ONLY_OPS = frozenset({"Inkling2UnpadVocab"})
+SPLIT_OFF_DIM0 = frozenset({"row", "packed_row", "embed_hidden"})
 
 
 def wildcard(name: str) -> str:
@@ -82,10 +86,18 @@ class PlanRules:
             return None
         key, style, names_param, is_lm = hit
         if conv.per_expert and names_param:
-            return self.mapper.for_expert_slice(key, style)
-        if names_param and not conv.name.endswith((".weight", ".bias")):
-            return self.mapper.for_param(key, style)
-        return self.mapper.for_module(key, style, lm_head=is_lm)
+            kind = self.mapper.for_expert_slice(key, style)
+        elif names_param and not conv.name.endswith((".weight", ".bias")):
+            kind = self.mapper.for_param(key, style)
+        else:
+            kind = self.mapper.for_module(key, style, lm_head=is_lm)
+        other = [op for op in conv.other_ops if not (op in DIM0_ONLY_OPS and kind[0] in SPLIT_OFF_DIM0)]
+        if other and kind[0] != "replicate":
+            raise ManifestError(
+                f"model_type {self.entry.model_type!r}: {disk_name} becomes {conv.name} through transformers' "
+                f"conversion ops {other}, which reshard cannot follow to split it ({style!r} on "
+                f"{key!r}); write a rules file for it")
+        return kind
 
     def rules(self, names: Iterable[str]) -> list[Rule]:
         by_pattern: dict[str, list[tuple[str, str, dict[str, Any]]]] = {}

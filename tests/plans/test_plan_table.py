@@ -107,3 +107,21 @@ def test_unhonourable_style_names_style_key_and_architecture() -> None:
     with pytest.raises(ManifestError, match=r"model_type 'llama': TP plan entry 'layers\.\*\.mlp\.up_proj' uses style "
                                              r"'colwise_magic', which reshard cannot honour"):
         from_config(config, ["model.layers.0.mlp.up_proj.weight"])
+
+
+def test_conversion_ops_reshard_cannot_follow_are_errors() -> None:
+    """A sharded parameter built from disk through an op reshard does not model (a transpose) is an error, not
+    a split of the wrong dim; the same op on a replicated parameter is fine."""
+    from reshard.plans.entry import PlanEntry
+    from reshard.plans.rules import PlanRules
+
+    entry = PlanEntry(model_type="toy", base_plan={"layers.*.mlp.up_proj": "colwise"}, conversion=[
+        {"type": "convert", "source": ["mlp.w_up.weight"], "target": ["mlp.up_proj.weight"], "ops": [["Transpose", None]]},
+        {"type": "convert", "source": ["norm.w"], "target": ["norm.weight"], "ops": [["Transpose", None]]},
+    ])
+    rules = PlanRules(entry, {})
+    assert rules.kind_for("model.norm.w") is None
+    with pytest.raises(ManifestError, match=r"model_type 'toy': model\.layers\.0\.mlp\.w_up\.weight becomes "
+                                             r"model\.layers\.0\.mlp\.up_proj\.weight through transformers' "
+                                             r"conversion ops \['Transpose'\], which reshard cannot follow"):
+        rules.kind_for("model.layers.0.mlp.w_up.weight")
