@@ -145,23 +145,52 @@ class PackedLoader(SliceLoader):
                 raise PlanError(f"packed_column: {len(seq)} {what} entries for {len(self.blocks)} blocks")
 
     def select(self, shape: tuple[int, ...], rank: int, world_size: int) -> Selection:
+        if self.dim >= len(shape):
+            raise PlanError(f"shape {list(shape)} has no dim {self.dim} to split")
         size = shape[self.dim]
         if sum(self.blocks) != size:
             raise PlanError(
                 f"packed_column blocks {list(self.blocks)} sum to {sum(self.blocks)}, not dim {self.dim} size {size}"
             )
-        pieces, offset = [], 0
-        for i, block in enumerate(self.blocks):
-            what = f"packed block {i} (size {block})"
-            if self.heads:
-                a, b = split_heads(block, self.heads[i], rank, world_size, replicate=self.replicate_heads[i], what=what)
-            else:
-                a, b = split_interval(block, rank, world_size, what=what)
-            pieces.append((offset + a, offset + b))
-            offset += block
-        sel = list(full_selection(shape))
-        sel[self.dim] = tuple(pieces)
-        return tuple(sel)
+        return _packed_selection(shape, self.dim, self.blocks, rank, world_size, self.heads, self.replicate_heads)
+
+
+def _packed_selection(
+    shape: tuple[int, ...], dim: int, blocks: Sequence[int], rank: int, world_size: int,
+    heads: Sequence[int] | None = None, replicate_heads: Sequence[bool] | None = None,
+) -> Selection:
+    """Each block of `dim` split on its own (on head boundaries when `heads`), the pieces in block order."""
+    pieces, offset = [], 0
+    for i, block in enumerate(blocks):
+        what = f"packed block {i} (size {block})"
+        if heads:
+            rep = bool(replicate_heads and replicate_heads[i])
+            a, b = split_heads(block, heads[i], rank, world_size, replicate=rep, what=what)
+        else:
+            a, b = split_interval(block, rank, world_size, what=what)
+        pieces.append((offset + a, offset + b))
+        offset += block
+    sel = list(full_selection(shape))
+    sel[dim] = tuple(pieces)
+    return tuple(sel)
+
+
+class EqualBlocksLoader(SliceLoader):
+    """`parts` equal blocks along `dim` (a fused gate|up of unknown size), each split on its own.
+
+    This is torch's `_StridedShard(dim, split_factor=parts)`, what transformers' `packed_*` styles hold.
+    """
+
+    def __init__(self, dim: int, parts: int) -> None:
+        self.dim, self.parts = dim, parts
+
+    def select(self, shape: tuple[int, ...], rank: int, world_size: int) -> Selection:
+        if self.dim >= len(shape):
+            raise PlanError(f"shape {list(shape)} has no dim {self.dim} to split")
+        size = shape[self.dim]
+        if size % self.parts:
+            raise PlanError(f"dim {self.dim} has size {size}, not {self.parts} equal packed blocks")
+        return _packed_selection(shape, self.dim, [size // self.parts] * self.parts, rank, world_size)
 
 
 LoaderFactory = Callable[["Rule", str], ShardLoader]
@@ -236,6 +265,8 @@ def _vocab_embed(rule: Rule, suffix: str) -> ShardLoader:
 
 @register_loader("packed_column")
 def _packed_column(rule: Rule, suffix: str) -> ShardLoader:
+    if "parts" in rule.options and "blocks" not in rule.options:
+        return EqualBlocksLoader(0, _int_option(rule, "parts"))
     blocks = rule.options.get("blocks")
     if not isinstance(blocks, list) or not blocks or not all(type(b) is int and b > 0 for b in blocks):
         raise PlanError(f"rule {rule.pattern!r}: packed_column needs `blocks`, a list of positive block sizes")
@@ -246,6 +277,46 @@ def _packed_column(rule: Rule, suffix: str) -> ShardLoader:
     if rep is not None and not (isinstance(rep, list) and all(isinstance(x, bool) for x in rep)):
         raise PlanError(f"rule {rule.pattern!r}: packed_column `replicate_heads` must be a list of booleans")
     return PackedLoader(blocks, heads=heads, replicate_heads=rep)
+
+
+class LastDimsLoader(SliceLoader):
+    """Split the dim `back` places from the last (transformers' colwise: `ndim-2`, rowwise: `ndim-1`),
+    for tensors of any rank (fused MoE experts `[E, out, in]`); `parts` equal blocks split on their own."""
+
+    def __init__(self, back: int, *, parts: int | None = None) -> None:
+        self.back, self.parts = back, parts
+
+    def select(self, shape: tuple[int, ...], rank: int, world_size: int) -> Selection:
+        dim = max(len(shape) - self.back, 0)
+        if self.parts:
+            return EqualBlocksLoader(dim, self.parts).select(shape, rank, world_size)
+        return DimShardLoader(dim).select(shape, rank, world_size)
+
+
+@register_loader("embed_hidden")
+def _embed_hidden(rule: Rule, suffix: str) -> ShardLoader:
+    """An embedding split along its hidden dim (transformers' `embedding_colwise`): every token, part of its vector."""
+    return DimShardLoader(1)
+
+
+@register_loader("packed_row")
+def _packed_row(rule: Rule, suffix: str) -> ShardLoader:
+    """A weight whose input dim holds `parts` (default 2) fused blocks, each split on its own; a bias is replicated."""
+    if suffix == ".bias":
+        return ReplicateLoader()
+    return LastDimsLoader(1, parts=_int_option(rule, "parts") or 2)
+
+
+@register_loader("expert_column")
+def _expert_column(rule: Rule, suffix: str) -> ShardLoader:
+    """Fused experts `[E, out, in]` split along `out` (dim ndim-2), per block when `parts` is set."""
+    return LastDimsLoader(2, parts=_int_option(rule, "parts"))
+
+
+@register_loader("expert_row")
+def _expert_row(rule: Rule, suffix: str) -> ShardLoader:
+    """Fused experts `[E, out, in]` split along `in` (the last dim), per block when `parts` is set."""
+    return LastDimsLoader(1, parts=_int_option(rule, "parts"))
 
 
 # --- parallel layers: the same kinds, on the trainer side ------------------------------------------

@@ -13,7 +13,8 @@ File format (YAML or JSON)::
         pad: true            # every key besides pattern/regex/kind is an option of the kind
 
 Without a rules file, `from_config` derives a manifest from config.json: its `base_model_tp_plan` when
-present, else a built-in plan for the `model_type`.
+present, else the plan transformers declares for its `model_type` (installed, or the table shipped in
+`reshard.plans`).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import fnmatch
 import hashlib
 import json
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -121,111 +122,40 @@ class Manifest:
         return cls.from_dict(obj, source=f"rules file {path}")
 
 
-# --- HF tp_plan -> rules -------------------------------------------------------------------------
+# --- config.json -> rules ------------------------------------------------------------------------
+# The TP plan of the architecture (reshard.plans: config.json, installed transformers, shipped table)
+# gives the rules; then every registered config hook may add rules derived from config.json (e.g. for
+# quantization scale tensors). This is the one place extra config-derived rules are appended.
 
-HF_STYLES: dict[str, str] = {
-    "colwise": "column", "colwise_rep": "column", "local_colwise": "column",
-    "rowwise": "row", "rowwise_rep": "row", "local_rowwise": "row",
-    "packed_colwise": "packed_column", "local_packed_colwise": "packed_column",
-    "embedding_rowwise": "vocab_embed", "vocab_embed": "vocab_embed",
-    "replicate": "replicate", "local": "replicate", "gather": "replicate", "sequence_parallel": "replicate",
-}
-
-_LLAMA_PLAN = {
-    "layers.*.self_attn.q_proj": "colwise",
-    "layers.*.self_attn.k_proj": "colwise",
-    "layers.*.self_attn.v_proj": "colwise",
-    "layers.*.self_attn.o_proj": "rowwise",
-    "layers.*.mlp.gate_proj": "colwise",
-    "layers.*.mlp.up_proj": "colwise",
-    "layers.*.mlp.down_proj": "rowwise",
-}
-_PHI3_PLAN = {
-    "layers.*.self_attn.qkv_proj": "packed_colwise",
-    "layers.*.self_attn.o_proj": "rowwise",
-    "layers.*.mlp.gate_up_proj": "packed_colwise",
-    "layers.*.mlp.down_proj": "rowwise",
-}
-BUILTIN_PLANS: dict[str, dict[str, str]] = {
-    **dict.fromkeys(("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2"), _LLAMA_PLAN),
-    "phi3": _PHI3_PLAN,
-}
+ConfigRuleHook = Callable[[dict[str, Any], list[str]], list[Rule]]
+CONFIG_RULE_HOOKS: list[ConfigRuleHook] = []
 
 
-def _attn_sizes(config: dict[str, Any]) -> tuple[int, int, int]:
-    try:
-        heads = int(config["num_attention_heads"])
-        kv = int(config.get("num_key_value_heads") or heads)
-        head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
-    except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
-        raise ManifestError(f"config.json: cannot derive attention sizes ({e}); write a rules file instead") from None
-    return heads, kv, head_dim
-
-
-def _options_for(key: str, kind: str, config: dict[str, Any]) -> dict[str, Any]:
-    """Options an HF plan leaves implicit: head counts for q/k/v, block sizes for fused tensors."""
-    module = key.rsplit(".", 1)[-1]
-    if kind == "column" and module in ("q_proj", "k_proj", "v_proj") and "num_attention_heads" in config:
-        heads, kv, _ = _attn_sizes(config)
-        return {"heads": heads} if module == "q_proj" else {"heads": kv, "replicate_heads": True}
-    if kind == "packed_column":
-        if module == "qkv_proj":
-            heads, kv, hd = _attn_sizes(config)
-            return {"blocks": [heads * hd, kv * hd, kv * hd], "heads": [heads, kv, kv],
-                    "replicate_heads": [False, True, True]}
-        if module == "gate_up_proj" and isinstance(config.get("intermediate_size"), int):
-            inter = config["intermediate_size"]
-            return {"blocks": [inter, inter]}
-        raise ManifestError(f"config.json tp_plan: {key!r} is {kind} but its block sizes are unknown; write a rules file")
-    return {}
-
-
-def _plan_rules(plan: dict[str, Any], config: dict[str, Any]) -> list[Rule]:
-    rules = []
-    for key, style in plan.items():
-        kind = HF_STYLES.get(style) if isinstance(style, str) else None
-        if kind is None:
-            raise ManifestError(
-                f"config.json tp_plan: {key!r} uses style {style!r}, which reshard does not map; "
-                f"known: {', '.join(sorted(HF_STYLES))}"
-            )
-        key = key.removeprefix("model.")
-        body = re.escape(key).replace(r"\*", r"\d+")
-        rules.append(Rule(rf"(model\.)?{body}\.(weight|bias)", kind, _options_for(key, kind, config), regex=True))
-    return rules
+def register_config_rules(hook: ConfigRuleHook) -> ConfigRuleHook:
+    """Add `hook(config, tensor_names) -> rules`; its rules come before the plan's (first match wins)."""
+    if hook in CONFIG_RULE_HOOKS:
+        raise ManifestError(f"config rule hook {hook!r} is already registered")
+    CONFIG_RULE_HOOKS.append(hook)
+    return hook
 
 
 def from_config(config: dict[str, Any], tensor_names: Iterable[str] = ()) -> Manifest:
-    """Rules from config.json: `base_model_tp_plan` if present, else the built-in plan for `model_type`.
+    """Rules for a checkpoint from its config.json alone; `Manifest.source` names the plan used.
 
-    Embeddings become `vocab_embed` and an untied `lm_head` `column` (its output gathered in the
-    trainer), both padded to a multiple of tp.
+    Every tensor is named as on disk (per-expert MoE tensors included, reached through transformers'
+    conversion mapping); see `reshard.plans` for where plans come from and `reshard.plans.styles`
+    for what each transformers style becomes.
     """
-    plan = config.get("base_model_tp_plan")
-    model_type = config.get("model_type")
-    if isinstance(plan, dict) and plan:
-        source = "config.json base_model_tp_plan"
-    elif model_type in BUILTIN_PLANS:
-        plan = BUILTIN_PLANS[model_type]
-        source = f"built-in plan for model_type {model_type!r}"
-    else:
-        raise ManifestError(
-            f"config.json has no base_model_tp_plan and model_type {model_type!r} has no built-in plan "
-            f"(built in: {', '.join(sorted(BUILTIN_PLANS))}); pass --rules FILE"
-        )
-    rules = _plan_rules(plan, config)
-    names = list(tensor_names)
-    defaults = (("model.embed_tokens.weight", "vocab_embed", {"pad": True}),
-                ("lm_head.weight", "column", {"pad": True, "gather_output": True}))
-    for name, kind, options in defaults:
-        if not any(r.matches(name) for r in rules):
-            rules.append(Rule(name, kind, options))
-    if names:
-        rules = [r for r in rules if r.regex or any(r.matches(n) for n in names)]
+    from reshard.plans import resolve_plan
+    from reshard.plans.rules import PlanRules
+
+    entry, source = resolve_plan(config)
+    names = list(tensor_names) or entry.stand_in_names()
+    rules = PlanRules(entry, config).rules(names)
+    extra = [r for hook in CONFIG_RULE_HOOKS for r in hook(config, names)]
     from reshard.quant.rules import quantized_rules  # quantized checkpoints: scales follow their weights
 
-    rules = quantized_rules(rules, config, names)
-    return Manifest(tuple(rules), False, source)
+    return Manifest(tuple(quantized_rules(extra + rules, config, names)), False, source)
 
 
 RULES_FILES = ("reshard-rules.yaml", "reshard-rules.yml", "reshard-rules.json")

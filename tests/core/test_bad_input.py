@@ -411,35 +411,37 @@ def _config_source(tmp: Path, **config) -> Source:
                                   config=config))
 
 
-@case("config-unknown-model-type", ManifestError, "config.json has no base_model_tp_plan and model_type 'mystery' "
-      "has no built-in plan (built in: gemma, gemma2, llama, mistral, phi3, qwen2, qwen3); pass --rules FILE")
+@case("config-unknown-model-type", ManifestError, "config.json: model_type 'mystery' has no TP plan anywhere",
+      "write a rules file: put reshard-rules.yaml in the checkpoint directory or pass --rules FILE")
 def _(tmp: Path) -> Source:
     return _config_source(tmp, model_type="mystery")
 
 
-@case("config-unknown-tp-style", ManifestError, "config.json tp_plan: 'layers.*.mlp.up_proj' uses style "
-      "'colwise_magic', which reshard does not map; known: ")
+@case("config-unknown-tp-style", ManifestError, "model_type 'llama': TP plan entry 'layers.*.mlp.up_proj' uses "
+      "style 'colwise_magic', which reshard cannot honour; write a rules file")
 def _(tmp: Path) -> Source:
     return _config_source(tmp, model_type="llama", base_model_tp_plan={"layers.*.mlp.up_proj": "colwise_magic"})
 
 
-@case("config-tp-style-not-string", ManifestError, "uses style ['colwise'], which reshard does not map")
+@case("config-tp-style-not-string", ManifestError, "uses style ['colwise'], which reshard cannot honour")
 def _(tmp: Path) -> Source:
     return _config_source(tmp, model_type="llama", base_model_tp_plan={"layers.*.mlp.up_proj": ["colwise"]})
 
 
-@case("config-zero-heads", ManifestError, "config.json: cannot derive attention sizes")
+@case("config-zero-heads", ManifestError, "config.json: cannot derive attention sizes for "
+      "'layers.*.self_attn.qkv_proj' (num_attention_heads=None")
 def _(tmp: Path) -> Source:
     return _config_source(tmp, model_type="phi3", num_attention_heads=0, hidden_size=4, intermediate_size=4)
 
 
-@case("config-heads-missing", ManifestError, "config.json: cannot derive attention sizes ('num_attention_heads')")
+@case("config-heads-missing", ManifestError, "config.json: cannot derive attention sizes for "
+      "'layers.*.self_attn.qkv_proj' (num_attention_heads=32, num_key_value_heads=32, head_dim=None)")
 def _(tmp: Path) -> Source:
     return _config_source(tmp, model_type="phi3", hidden_size=4, intermediate_size=4)
 
 
 @case("config-null-intermediate-size", ManifestError, "'layers.*.mlp.gate_up_proj' is packed_column but its block "
-      "sizes are unknown; write a rules file")
+      "sizes are unknown (intermediate_size=None); write a rules file")
 def _(tmp: Path) -> Source:
     return _config_source(tmp, model_type="phi3", num_attention_heads=2, num_key_value_heads=1, hidden_size=4,
                           intermediate_size=None)

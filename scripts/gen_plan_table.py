@@ -1,0 +1,42 @@
+"""Regenerate reshard/plans/table.json from the installed transformers (rerun when transformers adds models).
+
+    .venv/bin/python scripts/gen_plan_table.py            # writes reshard/plans/table.json
+    .venv/bin/python scripts/gen_plan_table.py --check    # exit 1 if the table differs from transformers
+
+The table holds, for every model_type whose config class declares a `base_model_tp_plan`, exactly what
+`reshard.plans.live.live_entry` reads at run time, and the transformers version it came from, so a
+machine without transformers plans the same way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from _generated import write_or_check
+
+from reshard.plans.entry import TABLE_PATH
+from reshard.plans.live import live_entry, plan_model_types, transformers_version
+
+
+def build() -> dict:
+    plans = {}
+    for model_type in plan_model_types():
+        entry = live_entry(model_type)
+        if entry is not None:
+            plans[model_type] = entry.to_dict()
+    return {"transformers_version": transformers_version(), "plans": plans}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="compare with the shipped table instead of writing it")
+    args = parser.parse_args(argv)
+    text = json.dumps(build(), indent=1, sort_keys=True) + "\n"
+    return write_or_check(TABLE_PATH, text, check=args.check, done=f"wrote {TABLE_PATH}: {len(json.loads(text)['plans'])} "
+                          f"architectures, transformers {transformers_version()}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""The architectures the plan tests build: tiny random models from `AutoConfig.for_model(model_type, **sizes)`.
+
+Every size divides by 2 and 4 so transformers' own TP (which splits unevenly otherwise) and reshard's
+(which pads) hold the same bytes; kv heads (2) are fewer than 4 so tp=4 replicates them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+SIZES: dict[str, Any] = {
+    "vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "max_position_embeddings": 64,
+    "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
+}
+MOE: dict[str, Any] = {
+    "num_local_experts": 4, "num_experts": 4, "n_routed_experts": 4, "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, "n_shared_experts": 1,
+    "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1, "norm_topk_prob": True,
+}
+MLA: dict[str, Any] = {"q_lora_rank": 16, "kv_lora_rank": 16, "qk_rope_head_dim": 4, "qk_nope_head_dim": 4,
+                       "v_head_dim": 8, "head_dim": 4}
+
+
+@dataclass(frozen=True)
+class Arch:
+    model_type: str
+    extra: dict[str, Any] = field(default_factory=dict)
+    moe: bool = False
+    traits: tuple[str, ...] = ()  # "tied", "bias", "qk_norm", "fused_qkv", "per_block", "mla", "fused_experts"
+
+    @property
+    def config_kwargs(self) -> dict[str, Any]:
+        return {**SIZES, **(MOE if self.moe else {}), **self.extra}
+
+
+DENSE = [
+    Arch("llama"),
+    Arch("mistral"),
+    Arch("qwen2", traits=("bias",)),
+    Arch("qwen3", traits=("qk_norm",)),
+    Arch("gemma", traits=("tied",)),
+    Arch("gemma2", traits=("tied",)),
+    Arch("gemma3_text", traits=("tied", "qk_norm")),
+    Arch("olmo"),
+    Arch("olmo2", traits=("qk_norm",)),
+    Arch("olmo3", traits=("qk_norm",)),
+    Arch("granite"),
+    Arch("cohere", traits=("tied",)),
+    Arch("cohere2", traits=("tied",)),
+    Arch("starcoder2", {"use_bias": True}, traits=("bias",)),
+    Arch("gpt_neox", {"num_key_value_heads": 4, "rotary_pct": 1.0}, traits=("fused_qkv", "bias")),
+    Arch("glm", traits=("per_block",)),
+    Arch("glm4", traits=("per_block",)),
+    Arch("smollm3"),
+    Arch("phi3", traits=("per_block",)),
+    Arch("helium"),
+    Arch("arcee"),
+    Arch("ministral"),
+    Arch("seed_oss"),
+    Arch("exaone4", traits=("qk_norm",)),
+    Arch("gptj", {"n_embd": 32, "n_head": 4, "n_layer": 2, "rotary_dim": 4, "n_positions": 64}, traits=("bias",)),
+    Arch("ernie4_5"),
+    Arch("hunyuan_v1_dense", traits=("qk_norm",)),
+    Arch("apertus", traits=("qk_norm",)),
+    Arch("vaultgemma", traits=("tied",)),
+]
+MOES = [
+    Arch("mixtral", moe=True),
+    Arch("qwen2_moe", {"decoder_sparse_step": 1}, moe=True, traits=("bias",)),
+    Arch("qwen3_moe", {"decoder_sparse_step": 1}, moe=True, traits=("qk_norm",)),
+    Arch("deepseek_v3", MLA, moe=True, traits=("mla",)),
+    Arch("deepseek_v2", MLA, moe=True, traits=("mla",)),
+    Arch("olmoe", moe=True, traits=("qk_norm",)),
+    Arch("granitemoe", moe=True, traits=("fused_experts",)),
+    Arch("phimoe", moe=True),
+    Arch("glm4_moe", moe=True),
+    Arch("dots1", moe=True),
+    Arch("flex_olmo", moe=True),
+    Arch("hunyuan_v1_moe", moe=True),
+    Arch("gpt_oss", {"num_attention_heads": 4, "sliding_window": 8}, moe=True, traits=("fused_experts", "bias")),
+    Arch("inkling_text", moe=True, traits=("fused_experts", "gate_up_colwise")),
+    Arch("llama4_text", {"intermediate_size_mlp": 64, "interleave_moe_layer_step": 1, "no_rope_layers": [1, 1]},
+         moe=True, traits=("fused_experts",)),
+]
+ARCHS = DENSE + MOES

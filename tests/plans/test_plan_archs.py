@@ -1,0 +1,225 @@
+"""Every architecture of `archs.py`, planned from config.json alone, holds on each rank what transformers' own TP holds.
+
+The reference is transformers itself: the checkpoint loaded with `tp_plan="auto"` on 2 gloo ranks, each
+rank's `DTensor.to_local()`. Disk tensors that transformers fuses on load (per-expert MoE weights) are
+stacked and concatenated with transformers' own conversion mapping before comparing. Where reshard
+splits a fused tensor per block on purpose (`colwise_gather_output` on Phi-3-style `qkv_proj` /
+`gate_up_proj`), the rank tensor equals the per-block split of the full tensor computed with torch, and
+transformers' is checked to be the plain contiguous chunk.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from plans.archs import ARCHS, DENSE, MOES
+from plans.conftest import Built
+from reshard.plan import rank_file_name
+
+
+def _full_checkpoint(ckpt: Path) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for p in sorted(ckpt.glob("model*.safetensors")):
+        out.update(load_file(str(p)))
+    return out
+
+
+class HFNames:
+    """transformers' own renaming of checkpoint keys to in-memory names (its conversion mapping)."""
+
+    def __init__(self, model_type: str) -> None:
+        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+        from transformers.core_model_loading import WeightConverter
+
+        # looked up as transformers does on load: the model class's mapping first, then the model_type's
+        model_class = AutoModelForCausalLM._model_mapping[type(AutoConfig.for_model(model_type))]
+        transforms = get_checkpoint_conversion_mapping(model_class.__name__)
+        if transforms is None:
+            transforms = get_checkpoint_conversion_mapping(model_type) or []
+        self.converters = [t for t in transforms if isinstance(t, WeightConverter)]
+        self.renamings = [t for t in transforms if not isinstance(t, WeightConverter)]
+
+    def __call__(self, key: str) -> tuple[str, Any, int | None]:
+        """(in-memory name, the converter that fuses it or None, index of its source pattern)."""
+        from transformers.core_model_loading import rename_source_key
+
+        renamed, pattern = rename_source_key(key, self.renamings, self.converters)
+        if pattern is None:
+            return renamed, None, None
+        conv = next(c for c in self.converters if pattern in c.source_patterns)
+        return renamed, conv, conv.source_patterns.index(pattern)
+
+
+def _fuse(conv: Any, pieces: dict[int, dict[int, torch.Tensor]]) -> torch.Tensor:
+    """Apply the converter's ops to per-expert pieces {source index: {expert: tensor}} as transformers does."""
+    parts = [[pieces[s][e] for e in sorted(pieces[s])] for s in sorted(pieces)]
+    tensors: list[torch.Tensor] = []
+    for op in conv.operations:
+        name = type(op).__name__
+        if name == "MergeModulelist":
+            tensors = [torch.stack(p, dim=op.dim) for p in parts]
+        elif name == "Concatenate":
+            tensors = [torch.cat(tensors, dim=op.dim)]
+        else:
+            raise AssertionError(f"converter op {name} not rebuilt by this test")
+    assert len(tensors) == 1, conv
+    return tensors[0]
+
+
+def _per_block(t: torch.Tensor, blocks: list[int], rank: int, tp: int, dim: int = 0) -> torch.Tensor:
+    return torch.cat([torch.chunk(b, tp, dim=dim)[rank] for b in torch.split(t, blocks, dim=dim)], dim=dim)
+
+
+def per_block_split(model_type: str, name: str, t: torch.Tensor, config: dict[str, Any]) -> tuple[int, list[int]] | None:
+    """(dim, block sizes) where reshard splits a fused tensor per block and transformers does not."""
+    if model_type in {"phi3", "glm", "glm4"}:
+        blocks = _blocks(name, config)
+        return (0, blocks) if blocks else None
+    if model_type == "inkling_text" and name.endswith(".experts.gate_up_proj"):  # [E, 2*inter, hidden]
+        return 1, [t.shape[1] // 2] * 2
+    return None
+
+
+def _blocks(name: str, config: dict[str, Any]) -> list[int] | None:
+    """Block sizes of a Phi-3-style fused tensor, from config.json (independent of reshard)."""
+    if ".qkv_proj." in name:
+        h, kv = config["num_attention_heads"], config["num_key_value_heads"]
+        hd = config.get("head_dim") or config["hidden_size"] // h
+        return [h * hd, kv * hd, kv * hd]
+    if ".gate_up_proj." in name:
+        return [config["intermediate_size"]] * 2
+    return None
+
+
+def _same(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    assert got.dtype == want.dtype and tuple(got.shape) == tuple(want.shape), (what, got.dtype, want.dtype,
+                                                                               tuple(got.shape), tuple(want.shape))
+    assert torch.equal(got, want), f"{what}: values differ"
+
+
+def compare_with_transformers(built: Built, tp: int = 2) -> dict[str, Any]:
+    """Compare every tensor of every rank; return what was found (for the coverage table)."""
+    config = json.loads((built.ckpt / "config.json").read_text())
+    full = _full_checkpoint(built.ckpt)
+    names = HFNames(built.arch.model_type)
+    per_block, fused, sharded = set(), set(), set()
+    for rank in range(tp):
+        ours = load_file(str(built.out[tp] / rank_file_name(rank, tp)))
+        theirs = load_file(str(built.hf_rank_file(rank)))
+        assert sorted(ours) == sorted(full), "rank file names differ from the checkpoint's"
+        groups: dict[str, tuple[Any, dict[int, dict[int, torch.Tensor]]]] = {}
+        seen = set()
+        for name, got in ours.items():
+            mem, conv, src = names(name)
+            if got.shape != full[name].shape:
+                sharded.add(name)
+            if conv is not None:
+                expert = int(re.search(r"experts\.(\d+)\.", name).group(1))
+                groups.setdefault(mem, (conv, {}))[1].setdefault(src, {})[expert] = got
+                continue
+            assert mem in theirs, f"{name} -> {mem}: not in transformers' state dict"
+            seen.add(mem)
+            split = per_block_split(built.arch.model_type, name, full[name], config)
+            if split is not None and theirs[mem].shape != full[name].shape:
+                dim, blocks = split
+                per_block.add(name)
+                _same(got, _per_block(full[name], blocks, rank, tp, dim), f"{name} rank {rank} (per-block split)")
+                _same(theirs[mem], torch.chunk(full[name], tp, dim=dim)[rank], f"transformers' {mem} rank {rank}")
+            else:
+                _same(got, theirs[mem], f"{name} rank {rank}")
+        for mem, (conv, pieces) in groups.items():
+            fused.add(mem)
+            seen.add(mem)
+            _same(_fuse(conv, pieces), theirs[mem], f"{mem} rank {rank} (rebuilt from per-expert shards)")
+        rest = set(theirs) - seen
+        for mem in rest:  # tied heads: transformers lists lm_head, the checkpoint holds the embedding only
+            assert mem.endswith("lm_head.weight") and config.get("tie_word_embeddings", True), mem
+    return {"sharded": len(sharded), "per_block": sorted(per_block), "fused_experts": sorted(fused)}
+
+
+def test_enough_architectures() -> None:
+    assert len(DENSE) >= 20 and len(MOES) >= 6 and len(ARCHS) >= 30
+    traits = {t for a in ARCHS for t in a.traits}
+    assert {"tied", "bias", "qk_norm", "mla"} <= traits
+    assert {"mixtral", "deepseek_v3"} <= {a.model_type for a in MOES}
+
+
+@pytest.mark.parametrize("model_type", [a.model_type for a in ARCHS])
+def test_tp2_equals_transformers_tp(zoo: dict[str, Built], coverage: dict[str, dict[str, Any]], model_type: str) -> None:
+    built = zoo[model_type]
+    built.require("build", "reshard write --tp 2")
+    record = coverage.setdefault(model_type, {"moe": built.arch.moe})
+    record["planned_from"] = built.source
+    built.require("transformers TP load")
+    found = compare_with_transformers(built)
+    assert found["sharded"] > 0, "nothing was sharded"
+    if built.arch.moe and "fused_experts" not in built.arch.traits:
+        assert found["fused_experts"], "no per-expert tensor was compared with transformers' fused experts"
+    record.update(equal_tp2=True, fused_on_disk="fused_experts" in built.arch.traits and not found["fused_experts"]
+                  and model_type != "gpt_oss", **found)
+
+
+GPT_OSS_RULES = """\
+# gpt-oss experts are fused on disk with gate and up interleaved on the last dim ([E, hidden, 2*inter]):
+# a contiguous split of that dim keeps every (gate, up) pair on one rank.
+rules:
+  - {regex: 'model\\.layers\\.\\d+\\.mlp\\.experts\\.gate_up_proj(_bias)?', kind: expert_row}
+  - {regex: 'model\\.layers\\.\\d+\\.mlp\\.experts\\.down_proj', kind: expert_column}
+"""
+
+
+def test_gpt_oss_fused_experts_by_rules_file(zoo: dict[str, Built], tmp_path: Path) -> None:
+    """transformers' gpt_oss plan shards only the embedding (its experts go to expert parallelism): a rules
+    file splits the fused on-disk experts, every rank holding whole (gate, up) pairs of its inter slice."""
+    import shutil
+
+    from reshard import cli
+
+    built = zoo["gpt_oss"]
+    built.require("build")
+    ckpt = Path(shutil.copytree(built.ckpt, tmp_path / "ckpt"))
+    (ckpt / "reshard-rules.yaml").write_text(GPT_OSS_RULES)
+    assert cli.main(["write", str(ckpt), "--tp", "2", "-o", str(tmp_path / "out"), "--no-progress"]) == 0
+    full = _full_checkpoint(ckpt)
+    for rank in range(2):
+        got = load_file(str(tmp_path / "out" / rank_file_name(rank, 2)))
+        for layer in range(2):
+            pre = f"model.layers.{layer}.mlp.experts."
+            gate_up, bias, down = full[pre + "gate_up_proj"], full[pre + "gate_up_proj_bias"], full[pre + "down_proj"]
+            for view in (slice(0, None, 2), slice(1, None, 2)):  # gate, then up: this rank's inter slice of each
+                _same(got[pre + "gate_up_proj"][..., view], torch.chunk(gate_up[..., view], 2, dim=-1)[rank], pre)
+                _same(got[pre + "gate_up_proj_bias"][..., view], torch.chunk(bias[..., view], 2, dim=-1)[rank], pre)
+            _same(got[pre + "down_proj"], torch.chunk(down, 2, dim=1)[rank], pre + "down_proj")
+            _same(got[pre + "down_proj_bias"], full[pre + "down_proj_bias"], pre + "down_proj_bias")
+
+
+def test_inkling_fused_gate_up_keeps_gate_and_up_paired(zoo: dict[str, Built]) -> None:
+    """transformers' inkling_text plan says `colwise` for the fused experts' `gate_up_proj` `[E, 2*inter, hidden]`,
+    whose forward is `gate, up = linear(x, W).chunk(2, -1)`: its Shard(1) gives rank 0 only gate rows, so the
+    ranks' partial expert outputs no longer sum to the full one. reshard's per-block split does."""
+    built = zoo["inkling_text"]
+    built.require("build", "reshard write --tp 2", "transformers TP load")
+    full = _full_checkpoint(built.ckpt)
+    pre = "model.layers.1.mlp.experts."
+    torch.manual_seed(0)
+    x = torch.randn(3, full[pre + "gate_up_proj"].shape[-1])
+
+    def expert(gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+        gate, up = torch.nn.functional.linear(x, gate_up).chunk(2, dim=-1)
+        return torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, down)
+
+    want = expert(full[pre + "gate_up_proj"][0], full[pre + "down_proj"][0])
+    ours = [load_file(str(built.out[2] / rank_file_name(r, 2))) for r in range(2)]
+    theirs = [load_file(str(built.hf_rank_file(r))) for r in range(2)]
+    ours_sum = sum(expert(o[pre + "gate_up_proj"][0], o[pre + "down_proj"][0]) for o in ours)
+    theirs_sum = sum(expert(t[pre + "gate_up_proj"][0], t[pre + "down_proj"][0]) for t in theirs)
+    torch.testing.assert_close(ours_sum, want, rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(theirs_sum, want, rtol=1e-3, atol=1e-4)
