@@ -59,3 +59,16 @@ class NotFoundError(ReshardError):
     """A named checkpoint, manifest, job or file does not exist."""
 
     http_status = 404
+
+
+class StoreError(ReshardError):
+    """An object store or HTTP server refused or failed a request (no such bucket, access denied,
+    a 5xx after retries): the server's side, so the service answers 502."""
+
+    http_status = 502
+
+
+class StoreUnavailableError(StoreError):
+    """An object store or HTTP server could not be reached (connection refused, timeouts) after retries."""
+
+    http_status = 503
