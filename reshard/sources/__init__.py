@@ -21,7 +21,7 @@ from reshard.manifest import RULES_FILES, Manifest, from_config, resolve_manifes
 from reshard.shards import ShardSet, has_rank_files, is_shard_dir
 from reshard.sources.remote import RemotePath, is_url
 
-__all__ = ["RemotePath", "is_url", "open_checkpoint", "open_shards", "open_source", "read_file"]
+__all__ = ["RemotePath", "copy_beside", "is_url", "open_checkpoint", "open_shards", "open_source", "read_file"]
 
 
 def open_source(
@@ -93,3 +93,14 @@ def read_file(root: Path | RemotePath, name: str) -> bytes:
 
         return RemoteDirectory(root.url).read_bytes(name)
     return (Path(root) / name).read_bytes()
+
+
+def copy_beside(root: Path | RemotePath, name: str, dest: Path) -> None:
+    """Copy file `name` of a source (local or remote) to the local `dest`, atomically."""
+    from reshard.writer import atomic_file, copy_atomic
+
+    if not isinstance(root, RemotePath):
+        copy_atomic(Path(root) / name, dest)
+        return
+    with atomic_file(dest) as f:
+        f.write(read_file(root, name))

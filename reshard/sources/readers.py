@@ -201,9 +201,9 @@ class Prefetcher:
     """Fetches ahead the source ranges of a stream's next windows; `copy` serves reads from them."""
 
     def __init__(self, starts: list[int], pieces: list[Any], size: int, readers: dict[str, RemoteReader], *,
-                 window: int = WINDOW, cap: int = CAP) -> None:
+                 window: int | None = None, cap: int | None = None) -> None:
         self.starts, self.pieces, self.size, self.readers = starts, pieces, size, readers
-        self.window, self.cap = window, cap
+        self.window, self.cap = window or WINDOW, cap or CAP
         self.windows: deque[_Window] = deque()
         self.next = 0  # output offset the next window starts at
         self.buffered = 0

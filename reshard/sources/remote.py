@@ -72,7 +72,8 @@ class Store:
 
     def __init__(self, root: str) -> None:
         self.root = root
-        self.endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or ""
+        self.endpoint = (os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or "") \
+            if root.startswith("s3://") else ""
         self._store = _make_store(root, self.endpoint)
 
     def get(self, key: str, start: int, end: int, *, version: str | None = None) -> tuple[memoryview, dict[str, Any]]:
@@ -101,7 +102,7 @@ class Store:
 
         try:
             return bytes(obstore.get(self._store, key).bytes())
-        except NotFoundError:
+        except (NotFoundError, FileNotFoundError):
             return None
         except Exception as e:
             raise self.error(e, key) from None
@@ -139,7 +140,7 @@ class Store:
 
         try:
             obstore.delete(self._store, key)
-        except NotFoundError:
+        except (NotFoundError, FileNotFoundError):
             pass
         except Exception as e:
             raise self.error(e, key) from None
@@ -163,7 +164,7 @@ class Store:
                 r"AccessDenied|InvalidAccessKeyId|SignatureDoesNotMatch|Forbidden|403", full):
             return StoreError(f"{where}: access denied ({_code(full) or text}); check the credentials "
                               "(AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or the profile) and the bucket policy")
-        if isinstance(e, ox.NotFoundError):
+        if isinstance(e, (ox.NotFoundError, FileNotFoundError)):
             return CheckpointError(f"{where}: no such object")
         if re.search(r"(?i)error sending request|connect|dns|timed? ?out|connection refused|unreachable", full):
             return StoreUnavailableError(f"{where}: cannot reach {self.endpoint or self.root} after retries "
