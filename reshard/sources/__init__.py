@@ -43,7 +43,9 @@ def _remote_dir(url: str):  # -> RemoteDirectory
 
     d = RemoteDirectory(url)
     if not d.exists():
-        raise CheckpointError(f"{url}: no such checkpoint (nothing under this prefix)")
+        what = "nothing under this prefix" if d.can_list else \
+            f"no {INDEX_NAME} or {SINGLE_NAME} there, and a plain HTTP server cannot list files"
+        raise CheckpointError(f"{url}: no such checkpoint ({what})")
     return d
 
 

@@ -14,6 +14,7 @@ import datetime
 import os
 import re
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -124,13 +125,23 @@ class Store:
         whole); the object appears under `key` only once complete."""
         import obstore
 
+        failed: list[BaseException] = []
+
+        def body() -> Iterator[Any]:  # what the data's producer raised is raised as it was
+            try:
+                yield from data
+            except BaseException as e:
+                failed.append(e)
+                raise
+
+        whole = isinstance(data, (bytes, bytearray))
         try:
-            obstore.put(self._store, key, data, chunk_size=chunk_size, max_concurrency=concurrency,
-                        use_multipart=not isinstance(data, (bytes, bytearray)))
-        except Exception as e:
-            if getattr(e, "__cause__", None) is not None and isinstance(e.__cause__, Exception):
-                e = e.__cause__
-            if isinstance(e, (SourceChangedError, StoreError)) or type(e).__module__.startswith("reshard"):
+            obstore.put(self._store, key, data if whole else body(), chunk_size=chunk_size,
+                        max_concurrency=concurrency, use_multipart=not whole)
+        except BaseException as e:
+            if failed:
+                raise failed[0] from None
+            if not isinstance(e, Exception):
                 raise
             raise self.error(e, key) from None
 
