@@ -21,7 +21,7 @@ from reshard.manifest import RULES_FILES, Manifest, from_config, resolve_manifes
 from reshard.shards import ShardSet, has_rank_files, is_shard_dir
 from reshard.sources.remote import RemotePath, is_url
 
-__all__ = ["RemotePath", "copy_beside", "is_url", "open_checkpoint", "open_shards", "open_source", "read_file"]
+__all__ = ["RemotePath", "checkpoint_manifest", "copy_beside", "is_url", "open_checkpoint", "open_shards", "open_source", "read_file"]
 
 
 def open_source(
@@ -56,14 +56,23 @@ def _open_remote(url: str, rules: str | Path | None) -> tuple[Checkpoint | Shard
         shards = ShardSet.open(d)
         return shards, (Manifest.load(rules) if rules is not None else shards.manifest())
     ckpt = Checkpoint.from_directory(d)
-    if rules is not None:
-        return ckpt, Manifest.load(rules)
+    return ckpt, (Manifest.load(rules) if rules is not None else checkpoint_manifest(ckpt, d))
+
+
+def checkpoint_manifest(ckpt: Checkpoint, d=None) -> Manifest:  # noqa: ANN001 (d: RemoteDirectory)
+    """A checkpoint's own manifest: a rules file beside it, else its config.json (local or remote)."""
+    if not isinstance(ckpt.root, RemotePath):
+        return resolve_manifest(ckpt.root, ckpt.config, list(ckpt.tensors))
+    if d is None:
+        from reshard.sources.directory import RemoteDirectory
+
+        d = RemoteDirectory(ckpt.root.url)
     for name in RULES_FILES:
         if d.is_file(name):
-            return ckpt, _remote_manifest(d, name)
+            return _remote_manifest(d, name)
     if ckpt.config is None:
-        raise ManifestError(f"{url}: no --rules given, no {RULES_FILES[0]} and no config.json to derive a plan from")
-    return ckpt, from_config(ckpt.config, list(ckpt.tensors))
+        raise ManifestError(f"{ckpt.root}: no --rules given, no {RULES_FILES[0]} and no config.json to derive a plan from")
+    return from_config(ckpt.config, list(ckpt.tensors))
 
 
 def _remote_manifest(d, name: str) -> Manifest:
