@@ -1,9 +1,12 @@
 """`reshard write s3://... --tp 4` against downloading the whole checkpoint first, on the local moto server.
 
-    python -m bench.compare_s3_write [--reps 3] [--layers 4]
+    python -m bench.compare_s3_write [--reps 3] [--warmup 1] [--layers 2]
 
-  ranged      reshard write s3://bench/ckpt --tp 4 -o OUT   (ranged GETs of what each rank needs)
-  download    obstore GETs every object to a local directory, then reshard write DIR --tp 4 -o OUT
+  ranged          reshard write s3://bench/ckpt --tp 4 -o OUT   (ranged GETs of what each rank needs)
+  ranged-blocks   the same with RESHARD_STORE_WASTE=10 RESHARD_STORE_MAX_GAP=1MiB: row-split tensors
+                  come as whole row blocks (fewer requests, more bytes)
+  ranged-rank0    reshard write ... --ranks 0: what one node of a tp=4 job fetches
+  download        obstore GETs every object to a local directory, then reshard write DIR --tp 4 -o OUT
 Both use obstore (the library reshard reads with); each run is one process, timed from spawn to exit,
 with its peak RssAnon; the server counts the body bytes it served during the run.
 """
@@ -45,7 +48,8 @@ def download_then_write(url: str, work: Path, out: Path) -> None:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(prog="python -m bench.compare_s3_write", description=__doc__.split("\n\n")[0])
     p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--child-download", nargs=3, metavar=("URL", "WORK", "OUT"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child_download:
@@ -78,15 +82,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 c = s3.reset()
                 return {"bytes_fetched": c["bytes"], "requests": c["requests"]}
 
+            write = [sys.executable, "-m", "reshard.cli", "write", url, "--tp", "4", "-o", str(work / "out"),
+                     "--no-progress"]
+            blocks = {**s3.env, "RESHARD_STORE_WASTE": "10", "RESHARD_STORE_MAX_GAP": str(1 << 20)}
             cases = [
-                Case("ranged", [sys.executable, "-m", "reshard.cli", "write", url, "--tp", "4", "-o",
-                                str(work / "out"), "--no-progress"], env=s3.env, setup=clean, extra=fetched,
-                     note="reshard write s3://... --tp 4"),
+                Case("ranged", write, env=s3.env, setup=clean, extra=fetched, note="reshard write s3://... --tp 4"),
+                Case("ranged-blocks", write, env=blocks, setup=clean, extra=fetched,
+                     note="the same, row-split tensors fetched as row blocks"),
+                Case("ranged-rank0", [*write, "--ranks", "0"], env=s3.env, setup=clean, extra=fetched,
+                     note="reshard write s3://... --tp 4 --ranks 0 (one node's share)"),
                 Case("download", [sys.executable, "-m", "bench.compare_s3_write", "--child-download", url,
                                   str(work), str(work / "out")], env=s3.env, setup=clean, extra=fetched,
                      note="download whole checkpoint (obstore), then reshard write DIR --tp 4"),
             ]
-            res = interleave("s3 write tp=4", cases, reps=args.reps, baseline="download")
+            res = interleave("s3 write tp=4", cases, reps=args.reps, warmup=args.warmup, baseline="download")
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print(f"checkpoint: {total / 2**20:.1f} MiB in 4 files")

@@ -40,20 +40,28 @@ TEST_KEY_ID, TEST_SECRET = "AKIARESHARDTEST00001", "reshard-test-secret-key-0000
 
 
 class _Counter:
-    def __init__(self) -> None:
+    def __init__(self, fail_every: int = 0) -> None:
         self.lock = threading.Lock()
-        self.bytes = self.requests = 0
+        self.bytes = self.requests = self.failed = 0
+        self.fail_every = fail_every
 
-    def add(self, n: int, *, request: bool = False) -> None:
+    def start(self) -> bool:
+        """Count a request; True if it is to be answered 503 (every `fail_every`-th: a flaky server)."""
+        with self.lock:
+            self.requests += 1
+            fail = bool(self.fail_every) and self.requests % self.fail_every == 0
+            self.failed += fail
+            return fail
+
+    def add(self, n: int) -> None:
         with self.lock:
             self.bytes += n
-            self.requests += int(request)
 
     def answer(self, method: str) -> bytes:
         with self.lock:
-            body = json.dumps({"bytes": self.bytes, "requests": self.requests}).encode()
+            body = json.dumps({"bytes": self.bytes, "requests": self.requests, "failed": self.failed}).encode()
             if method == "DELETE":
-                self.bytes = self.requests = 0
+                self.bytes = self.requests = self.failed = 0
         return body
 
 
@@ -62,7 +70,7 @@ def counting_wsgi(app: Any, counter: _Counter) -> Any:
         if environ.get("PATH_INFO") == COUNTS_PATH:
             start_response("200 OK", [("Content-Type", "application/json")])
             return [counter.answer(environ["REQUEST_METHOD"])]
-        counter.add(0, request=True)
+        counter.start()
         return _counted(app(environ, start_response), counter)
     return wrapped
 
@@ -85,8 +93,10 @@ def counting_asgi(app: Any, counter: _Counter) -> Any:
                         "headers": [(b"content-type", b"application/json")]})
             await send({"type": "http.response.body", "body": body})
             return
-        if scope["type"] == "http":
-            counter.add(0, request=True)
+        if scope["type"] == "http" and counter.start():
+            await send({"type": "http.response.start", "status": 503, "headers": [(b"content-length", b"0")]})
+            await send({"type": "http.response.body", "body": b""})
+            return
 
         async def counted(message: dict[str, Any]) -> None:
             if message["type"] == "http.response.body":
@@ -109,13 +119,13 @@ def _serve_s3(port: int) -> None:
     make_server("127.0.0.1", port, app, threaded=True, request_handler=MotoRequestHandler).serve_forever()
 
 
-def _serve_http(port: int, root: str) -> None:
+def _serve_http(port: int, root: str, fail_every: int) -> None:
     import uvicorn
 
     os.environ["BENCH_FILE_ROOT"] = root
     from bench.fileserver import app
 
-    uvicorn.run(counting_asgi(app, _Counter()), host="127.0.0.1", port=port, log_level="warning", access_log=False)
+    uvicorn.run(counting_asgi(app, _Counter(fail_every)), host="127.0.0.1", port=port, log_level="warning", access_log=False)
 
 
 def free_port() -> int:
@@ -188,9 +198,10 @@ def s3_server(*, authenticate: bool = False) -> Iterator[StoreServer]:
 
 
 @contextlib.contextmanager
-def http_server(root: Path) -> Iterator[StoreServer]:
-    """`bench.fileserver` over `root`: GET /files/PATH with Range, ETag and Last-Modified."""
-    with _spawn(["http", "--root", str(root)]) as srv:
+def http_server(root: Path, *, fail_every: int = 0) -> Iterator[StoreServer]:
+    """`bench.fileserver` over `root`: GET /files/PATH with Range, ETag and Last-Modified; with
+    `fail_every`, every N-th request is answered 503 instead."""
+    with _spawn(["http", "--root", str(root), "--fail-every", str(fail_every)]) as srv:
         yield srv
 
 
@@ -199,12 +210,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("kind", choices=["s3", "http"])
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--root", default=".")
+    p.add_argument("--fail-every", type=int, default=0)
     args = p.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     if args.kind == "s3":
         _serve_s3(args.port)
     else:
-        _serve_http(args.port, args.root)
+        _serve_http(args.port, args.root, args.fail_every)
 
 
 if __name__ == "__main__":

@@ -60,7 +60,8 @@ async def receive_upload(
     allowed_upload(filename)
     if content_length is not None and content_length > max_bytes:
         raise PayloadTooLarge(f"{filename}: {content_length} bytes exceeds the {max_bytes}-byte upload limit")
-    new_dir = not os.path.lexists(catalog.root / name) if valid_name(name) else False
+    local = isinstance(catalog.root, Path)  # a root in a store refuses uploads in `directory`
+    new_dir = not os.path.lexists(catalog.root / name) if valid_name(name) and local else False
     directory = catalog.directory(name, create=True)
     final = directory / filename
     if final.is_dir() and not final.is_symlink():

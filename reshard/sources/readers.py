@@ -2,8 +2,9 @@
 
 `open_reader(path, key)` gives a `LocalReader` (the fd also serves kernel copies) or a
 `RemoteReader`. Remote bytes are fetched ahead by a `Prefetcher`: the stream's output is cut into
-windows; for each window the exact source runs it needs are listed (`source_runs`), nearby runs
-of one file are merged while the bytes fetched stay within `WASTE` of those needed, and the ranges
+windows; for each window the exact source runs it needs are listed (`source_runs`), runs of one
+file that touch are merged, and so are runs a short gap apart while the gaps stay within `WASTE` of
+the bytes needed (shortest gaps first, the budget carried from window to window), and the ranges
 are fetched by a shared pool (several requests in flight) while at most `cap` bytes are fetched or
 in flight ahead of the reader. Each GET names the planned ETag: a replaced object fails the stream.
 """
@@ -26,8 +27,11 @@ from reshard.sources.remote import is_url, store_for
 WINDOW = 8 << 20  # output bytes planned (and fetched) together
 CAP = int(os.environ.get("RESHARD_STORE_INFLIGHT", str(64 << 20)))  # bytes fetched ahead of the reader
 THREADS = int(os.environ.get("RESHARD_STORE_CONCURRENCY", "16"))  # requests in flight, all streams together
-MAX_GAP = 256 << 10  # never fetch a gap longer than this to merge two runs
-WASTE = 0.02  # merged gaps may add at most this fraction to a window's bytes
+# Merging two runs across a gap saves a request and costs the gap's bytes. The gaps merged add at most
+# WASTE of the bytes a stream needs (its budget carries over from window to window, shortest gaps
+# first); on a store with a high cost per request, raise both (row-split tensors then come as row blocks).
+MAX_GAP = int(os.environ.get("RESHARD_STORE_MAX_GAP", str(256 << 10)))
+WASTE = float(os.environ.get("RESHARD_STORE_WASTE", "0.04"))
 
 
 class Reader(Protocol):
@@ -160,21 +164,31 @@ def source_runs(piece: Segment | Interleave, lo: int, hi: int) -> Iterator[tuple
                 yield from segment_runs(part, r * part.run + x - base - c, r * part.run + y - base - c)
 
 
-def coalesce(runs: list[tuple[str, int, int]]) -> list[tuple[str, int, int]]:
-    """Merge runs of one file that touch or overlap, and those a short gap apart while the gaps
-    merged stay within WASTE of the bytes needed."""
-    out: list[tuple[str, int, int]] = []
-    budget = int(WASTE * sum(n for _, _, n in runs))
+def coalesce(runs: list[tuple[str, int, int]], budget: int) -> tuple[list[tuple[str, int, int]], int]:
+    """Merge runs of one file that touch or overlap; then close the shortest gaps (at most MAX_GAP
+    each) while their bytes fit `budget`. Returns the ranges and the budget left."""
+    ranges: list[list[Any]] = []
     for f, off, n in sorted(runs):
-        if out and out[-1][0] == f:
-            pf, po, pn = out[-1]
-            gap = off - (po + pn)
-            if gap <= 0 or (gap <= MAX_GAP and gap <= budget):
-                budget -= max(gap, 0)
-                out[-1] = (f, po, max(pn, off + n - po))
-                continue
-        out.append((f, off, n))
-    return out
+        if ranges and ranges[-1][0] == f and off <= ranges[-1][1] + ranges[-1][2]:
+            ranges[-1][2] = max(ranges[-1][2], off + n - ranges[-1][1])
+        else:
+            ranges.append([f, off, n])
+    gaps = sorted((b[1] - a[1] - a[2], i) for i, (a, b) in enumerate(zip(ranges, ranges[1:]))
+                  if a[0] == b[0] and b[1] - a[1] - a[2] <= MAX_GAP)
+    close = set()
+    for gap, i in gaps:
+        if gap > budget:
+            break
+        budget -= gap
+        close.add(i)
+    out: list[tuple[str, int, int]] = []
+    for i, (f, off, n) in enumerate(ranges):
+        if i - 1 in close:
+            pf, po, _ = out[-1]
+            out[-1] = (pf, po, off + n - po)
+        else:
+            out.append((f, off, n))
+    return out, budget
 
 
 _POOL: ThreadPoolExecutor | None = None
@@ -207,6 +221,7 @@ class Prefetcher:
         self.windows: deque[_Window] = deque()
         self.next = 0  # output offset the next window starts at
         self.buffered = 0
+        self.spare = 0  # gap bytes the stream may still fetch to save requests
         for r in readers.values():
             r.prefetcher = self
 
@@ -230,7 +245,9 @@ class Prefetcher:
                 runs.extend(source_runs(piece, max(lo - base, 0), min(hi - base, plen)))
             i += 1
         w = _Window(lo, hi, 0)
-        for f, off, n in coalesce([r for r in runs if r[0] in self.readers]):
+        runs = [r for r in runs if r[0] in self.readers]
+        ranges, self.spare = coalesce(runs, self.spare + int(WASTE * sum(n for _, _, n in runs)))
+        for f, off, n in ranges:
             reader = self.readers[f]
             w.ranges.setdefault(f, []).append((off, off + n, _pool().submit(reader.fetch, off, off + n)))
             w.nbytes += n

@@ -177,7 +177,10 @@ class Store:
                               "(AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or the profile) and the bucket policy")
         if isinstance(e, (ox.NotFoundError, FileNotFoundError)):
             return CheckpointError(f"{where}: no such object")
-        if re.search(r"(?i)error sending request|connect|dns|timed? ?out|connection refused|unreachable", full):
+        status = re.search(r"status code: (\d{3})", full)
+        if status:
+            return StoreError(f"{where}: the server answered {status.group(1)} after retries ({text})")
+        if re.search(r"(?i)error sending request|connect|dns|timed out|connection refused|unreachable", full):
             return StoreUnavailableError(f"{where}: cannot reach {self.endpoint or self.root} after retries "
                                          f"({_cause(full) or text})")
         return StoreError(f"{where}: {text}")

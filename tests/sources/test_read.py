@@ -82,3 +82,16 @@ def test_object_replaced_mid_stream_fails_the_stream(store, local_root: Path, mo
             boto.put_object(Bucket="ckpts", Key=f"models/llama/{name}", Body=original)
         else:
             (local_root / "llama" / name).write_bytes(original)
+
+
+def test_5xx_answers_are_retried(local_root: Path, monkeypatch) -> None:
+    from bench.stores import http_server
+
+    monkeypatch.setenv("RESHARD_STORE_RETRIES", "5")  # a GET fails 6 times in a row once in 10**6
+    with http_server(local_root, fail_every=10) as flaky:  # every 10th request answers 503
+        remote, manifest = open_source(f"{flaky.url}/files/llama/")
+        got = [_bytes(rp) for rp in make_plan(remote, manifest, 2).ranks]
+        counts = flaky.counts()
+    local, local_manifest = open_source(local_root / "llama")
+    assert got == [_bytes(rp) for rp in make_plan(local, local_manifest, 2).ranks]
+    assert counts["failed"] >= counts["requests"] // 10 > 10

@@ -37,6 +37,8 @@ def test_serve_root_in_s3(s3_env, local_root: Path, tmp_path: Path, monkeypatch)
         assert missing.status_code == 404 and missing.json()["error"] == "NotFoundError"
         bad = httpx.get(srv.ckpt_url("a..b"))
         assert bad.status_code == 400 and "error" in bad.json()
+        upload = httpx.put(srv.ckpt_url("llama") + "/files/config.json", content=b"{}")
+        assert upload.status_code == 400 and "local --root" in upload.json()["detail"]
         model = build_model(srv.ckpt_url("llama"))  # tp=1: no process group
         ref = load_file(local_root / "llama" / "model-00001-of-00002.safetensors")
         ref |= load_file(local_root / "llama" / "model-00002-of-00002.safetensors")
