@@ -16,7 +16,7 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="RESHARD_", extra="ignore", frozen=True)
 
     root: Path | str = Field(description="directory whose subdirectories are the checkpoints served, or a store "
-                             "prefix whose sub-prefixes are (s3://BUCKET/PREFIX, gs://...)")
+                             "prefix whose sub-prefixes are (s3://BUCKET/PREFIX, gs://..., http(s)://HOST/PATH)")
     host: str = Field("127.0.0.1", description="address `reshard serve` binds")
     port: int = Field(8000, ge=0, le=65535, description="port `reshard serve` binds (0: any free port)")
     token: SecretStr | None = Field(None, description="bearer token required by every endpoint but /healthz")
@@ -41,8 +41,6 @@ class Settings(BaseSettings):
         from reshard.sources import is_url
 
         if is_url(str(v)):
-            if not str(v).lower().startswith(("s3://", "gs://")):
-                raise ValueError(f"root {v}: a served root in a store must be s3:// or gs:// (one that can list)")
             return str(v).rstrip("/")
         v = Path(v).expanduser()
         if not v.is_dir():

@@ -2,8 +2,9 @@
 
 Same answers as the local `Catalog`: one listing per request stands in for the `scandir` (object name,
 size and ETag make the cache key, so a replaced object is re-parsed and shard ETags stay strong),
-headers come from ranged reads, and names are validated before they become keys. Uploads need a
-local root.
+headers come from ranged reads, and names are validated before they become keys. A plain HTTP root
+cannot be listed: `GET /v1/checkpoints` is empty there, and a checkpoint's files are found through
+its index.json (a 1-byte ranged GET of each gives its size and ETag). Uploads need a local root.
 """
 
 from __future__ import annotations
@@ -11,12 +12,15 @@ from __future__ import annotations
 from typing import Any
 
 from reshard.errors import NotFoundError
-from reshard.format import Checkpoint
+from reshard.format import CONFIG_NAME, INDEX_NAME, SINGLE_NAME, Checkpoint
+from reshard.manifest import RULES_FILES
 from reshard.sources.directory import RemoteDirectory
-from reshard.sources.remote import RemotePath, object_version, store_for
+from reshard.sources.remote import RemotePath, store_for
 from service.catalog import _WATCHED, Catalog, StatKey, _Entry, check_name, valid_name
 from service.errors import BadRequest
 from service.settings import Settings
+
+_PROBED = (INDEX_NAME, SINGLE_NAME, CONFIG_NAME, *RULES_FILES)  # what a root that cannot list is asked for
 
 
 class StoreCatalog(Catalog):
@@ -32,14 +36,16 @@ class StoreCatalog(Catalog):
         return self.root / name
 
     def scan(self, directory: Any) -> StatKey:
-        _, files = RemoteDirectory(directory.url).listing()
-        key = tuple(sorted((n, int(m["size"]), object_version(m), 0) for n, m in files.items()
+        files = RemoteDirectory(directory.url).stat_files(_PROBED)
+        key = tuple(sorted((n, size, version, 0) for n, (size, version) in files.items()
                            if not n.startswith(".") and n.endswith(_WATCHED)))
         if not key:
             raise NotFoundError(f"no checkpoint named {directory.name!r}; GET /v1/checkpoints lists them")
         return key  # type: ignore[return-value]
 
     def names(self) -> list[dict[str, Any]]:
+        if not RemoteDirectory(self.root.url).can_list:
+            return []  # a plain HTTP root cannot be listed: checkpoints are asked for by name
         dirs, _ = self.store.list(self.prefix)
         found = []
         for name in sorted(dirs):

@@ -8,6 +8,7 @@ index.json / the usual names (plain HTTP, the Hub).
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from reshard.errors import CheckpointError
@@ -81,6 +82,28 @@ class RemoteDirectory:
             rest, _ = self.store.get(self.key(name), len(head), header_bytes_wanted(head, size), version=version)
             head += bytes(rest)
         return header_from(self.path(name), head, size=size, version=version)
+
+    def stat_files(self, names: tuple[str, ...]) -> dict[str, tuple[int, str]]:
+        """{file name: (size, version)} of the files directly under the prefix: from the listing
+        where the store lists, else from a 1-byte ranged GET of each of `names` and of the files
+        index.json names (plain HTTP)."""
+        if self.can_list:
+            return {n: (int(m["size"]), object_version(m)) for n, m in self.listing()[1].items()}
+        wanted = set(names)
+        index = self._fetch("model.safetensors.index.json")
+        if index is not None:
+            try:
+                wanted |= set(json.loads(index).get("weight_map", {}).values())
+            except (ValueError, AttributeError):
+                pass  # Checkpoint.from_directory says what is wrong with it
+        out = {}
+        for name in sorted(wanted):
+            try:
+                _, meta = self.store.get(self.key(name), 0, 1)
+            except CheckpointError:  # no such object
+                continue
+            out[name] = (int(meta["size"]), object_version(meta))
+        return out
 
     def exists(self) -> bool:
         """Whether anything is under the prefix (stores that list) or a known checkpoint file answers."""

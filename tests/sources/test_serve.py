@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import httpx
+import pytest
 import torch
 from _live import free_port, live_server
 from safetensors.torch import load_file
@@ -16,12 +17,14 @@ from bench.stores import s3_env as env_for
 from reshard.cli import main
 
 
-def test_serve_root_in_s3(s3_env, local_root: Path, tmp_path: Path, monkeypatch) -> None:
+@pytest.mark.parametrize("kind", ["s3", "http"])
+def test_serve_root_in_a_store(kind: str, s3_env, web, local_root: Path, tmp_path: Path) -> None:
     from reshard.trainer.build import build_model
 
-    with live_server("s3://ckpts/models", log_dir=tmp_path, chunk_size=64 << 10) as srv:  # type: ignore[arg-type]
+    root = "s3://ckpts/models" if kind == "s3" else f"{web.url}/files"
+    with live_server(root, log_dir=tmp_path, chunk_size=64 << 10) as srv:  # type: ignore[arg-type]
         listed = httpx.get(srv.url + "/v1/checkpoints").json()["checkpoints"]
-        assert [c["name"] for c in listed] == ["llama"]
+        assert [c["name"] for c in listed] == (["llama"] if kind == "s3" else [])  # plain HTTP cannot list
         for tp in (2, 4):
             out = tmp_path / f"local-tp{tp}"
             assert main(["write", str(local_root / "llama"), "--tp", str(tp), "-o", str(out), "--no-progress"]) == 0
@@ -39,6 +42,8 @@ def test_serve_root_in_s3(s3_env, local_root: Path, tmp_path: Path, monkeypatch)
         assert bad.status_code == 400 and "error" in bad.json()
         upload = httpx.put(srv.ckpt_url("llama") + "/files/config.json", content=b"{}")
         assert upload.status_code == 400 and "local --root" in upload.json()["detail"]
+        if kind == "http":
+            return
         model = build_model(srv.ckpt_url("llama"))  # tp=1: no process group
         ref = load_file(local_root / "llama" / "model-00001-of-00002.safetensors")
         ref |= load_file(local_root / "llama" / "model-00002-of-00002.safetensors")
@@ -48,6 +53,8 @@ def test_serve_root_in_s3(s3_env, local_root: Path, tmp_path: Path, monkeypatch)
         metrics = httpx.get(srv.url + "/metrics").text
         assert TEST_SECRET not in metrics and TEST_SECRET not in srv.log()
 
+
+def test_serve_answers_503_when_the_store_is_unreachable(tmp_path: Path, monkeypatch) -> None:
     for k, v in env_for(f"http://127.0.0.1:{free_port()}").items():  # the store goes away
         monkeypatch.setenv(k, v)
     monkeypatch.setenv("RESHARD_STORE_RETRIES", "1")
