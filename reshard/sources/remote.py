@@ -168,6 +168,9 @@ class Store:
         full = scrub(str(e))
         if isinstance(e, ox.PreconditionError):
             return SourceChangedError(f"{where}: replaced while being read; re-plan and retry")
+        if "169.254.169.254" in full or "fd00:ec2::254" in full:
+            return StoreError(f"{where}: no AWS credentials found (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, "
+                              "a profile, or instance metadata); set them, or AWS_SKIP_SIGNATURE=true for a public bucket")
         if "NoSuchBucket" in full or "bucket does not exist" in full.lower():
             return StoreError(f"{where}: no such bucket {self.root.split('://', 1)[1]!r} at "
                               f"{self.endpoint or 'the default endpoint'}; check the URL and AWS_ENDPOINT_URL")
