@@ -24,7 +24,7 @@ URL_RE = re.compile(r"^(s3|gs|hf|https?)://", re.I)
 SECRET_VARS = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ACCESS_KEY_ID", "GOOGLE_SERVICE_ACCOUNT_KEY",
                "HF_TOKEN")
 _CONFIG_VARS = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_REGION", "AWS_DEFAULT_REGION", "AWS_PROFILE",
-                "AWS_ALLOW_HTTP", *SECRET_VARS, "GOOGLE_APPLICATION_CREDENTIALS", "RESHARD_STORE_RETRIES",
+                "AWS_ALLOW_HTTP", "AWS_SKIP_SIGNATURE", *SECRET_VARS, "GOOGLE_APPLICATION_CREDENTIALS", "RESHARD_STORE_RETRIES",
                 "RESHARD_STORE_TIMEOUT")
 
 
@@ -230,7 +230,7 @@ def _make_store(root: str, endpoint: str) -> Any:
             kwargs["endpoint"] = endpoint
             kwargs["virtual_hosted_style_request"] = False
         provider = None
-        if not os.environ.get("AWS_ACCESS_KEY_ID"):
+        if not os.environ.get("AWS_ACCESS_KEY_ID") and os.environ.get("AWS_SKIP_SIGNATURE", "").lower() != "true":
             provider = _boto3_provider()
         return S3Store(rest, client_options=client, retry_config=retry, credential_provider=provider, **kwargs)
     if scheme == "gs":

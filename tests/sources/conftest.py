@@ -64,10 +64,6 @@ def boto(s3: StoreServer) -> Any:
     return boto3.client("s3", endpoint_url=s3.url, **_keys(s3.env))
 
 
-def source_url(kind: str, s3: StoreServer | None, web: StoreServer | None) -> str:
-    return f"s3://{BUCKET}/models/llama" if kind == "s3" else f"{web.url}/files/llama/"
-
-
 @pytest.fixture(autouse=True)
 def _no_proxy(monkeypatch: pytest.MonkeyPatch) -> None:
     for var in ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy", "ALL_PROXY"):

@@ -6,7 +6,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import source_url
 
 from reshard.cli import main
 from reshard.errors import SourceChangedError
@@ -23,8 +22,9 @@ def _bytes(plan) -> bytes:
 
 @pytest.fixture(params=["s3", "http"])
 def store(request, s3, web, s3_env):
-    srv = s3 if request.param == "s3" else web
-    return request.param, srv, source_url(request.param, s3, web)
+    if request.param == "s3":
+        return "s3", s3, "s3://ckpts/models/llama"
+    return "http", web, f"{web.url}/files/llama/"
 
 
 @pytest.mark.parametrize("tp", [2, 4])
