@@ -49,13 +49,20 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_write(args: argparse.Namespace) -> int:
-    from reshard.writer import write_shards
+    from reshard.sources import is_url
+
+    if is_url(args.out):  # a store prefix: multipart uploads
+        from reshard.sources.sink import write_shards_to_store as write_shards
+    else:
+        from reshard.writer import write_shards
 
     ckpt, plan = _plan(args)
     record = write_shards(ckpt, plan, args.out, progress=args.progress)
-    total = sum(rp.size for rp in plan.ranks)
-    done = ", ".join(f"{rank_list(record[k])} {k}" for k in ("kept", "written") if record[k])
-    print(f"wrote {len(plan.ranks)} rank files ({human(total)} in {Path(args.out)}: {done}), manifest: {plan.manifest.source}")
+    total = sum(f["size"] for f in record["files"].values())
+    where = args.out if is_url(args.out) else Path(args.out)
+    done = ", ".join(f"{rank_list(record[k])} {k}" for k in ("kept", "written") if record.get(k))
+    print(f"wrote {len(plan.ranks)} rank files ({human(total)} in {where}{': ' + done if done else ''}), "
+          f"manifest: {plan.manifest.source}")
     return 0
 
 
@@ -72,7 +79,8 @@ def rank_list(ranks: list[int]) -> str:
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("checkpoint", help="checkpoint directory, .safetensors file, or directory of rank shards")
+    p.add_argument("checkpoint", help="checkpoint directory, .safetensors file, or directory of rank shards; "
+                   "or a URL: s3://BUCKET/PREFIX, gs://..., http(s)://HOST/PATH/, hf://ORG/MODEL")
     p.add_argument("--tp", type=int, required=True, help="tensor-parallel degree")
     p.add_argument("--rules", help="rule manifest (YAML/JSON); default: reshard-rules.yaml beside it, else config.json")
     p.add_argument("--strict", action="store_true", help="rules that match no tensor are errors")
@@ -85,7 +93,7 @@ def add_commands(sub: Any) -> None:
     p.set_defaults(func=cmd_plan)
     p = sub.add_parser("write", help="write per-rank safetensors files (atomic) and reshard.json")
     _common(p)
-    p.add_argument("-o", "--out", required=True, help="output directory")
+    p.add_argument("-o", "--out", required=True, help="output directory, or s3://BUCKET/PREFIX (multipart uploads)")
     p.add_argument("--ranks", help="only these ranks, e.g. 0,2")
     add_progress_flags(p)
     p.set_defaults(func=cmd_write)

@@ -111,3 +111,16 @@ class PeerFailedError(ReshardError):
     """Another rank of a distributed run failed, so this one stops too (instead of waiting for it)."""
 
     http_status = 503
+
+
+class StoreError(ReshardError):
+    """An object store or HTTP server refused or failed a request (no such bucket, access denied,
+    a 5xx after retries): the server's side, so the service answers 502."""
+
+    http_status = 502
+
+
+class StoreUnavailableError(StoreError):
+    """An object store or HTTP server could not be reached (connection refused, timeouts) after retries."""
+
+    http_status = 503

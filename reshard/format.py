@@ -82,16 +82,18 @@ class GlobalTensor:
 
 @dataclass(frozen=True)
 class FileInfo:
-    """One validated safetensors file and the stat fields that make up its identity."""
+    """One validated safetensors file and the fields that make up its identity: size and mtime on
+    disk, size and ETag (or version) in a store (`version`; then `path` is a `RemotePath`)."""
 
     path: Path
     size: int
     mtime_ns: int
     header_len: int
     metadata: dict[str, str] = field(default_factory=dict)
+    version: str | None = None
 
-    def stat_key(self) -> tuple[int, int]:
-        return (self.size, self.mtime_ns)
+    def stat_key(self) -> tuple[int, int | str]:
+        return (self.size, self.mtime_ns if self.version is None else self.version)
 
 
 def _fail(path: Path | str, msg: str) -> HeaderError:
@@ -217,6 +219,28 @@ def encode_header(meta: dict[str, str], entries: list[tuple[str, str, tuple[int,
     return len(blob).to_bytes(8, "little") + blob
 
 
+def header_bytes_wanted(head: bytes, file_size: int) -> int:
+    """How many bytes from the start of the file the header needs, given its first bytes (at least 8):
+    8 + N when N is plausible, else 8 (then `parse_header` says what is wrong)."""
+    (n,) = struct.unpack("<Q", head[:8])
+    return 8 + n if 0 < n <= MAX_HEADER_BYTES and 8 + n <= file_size else 8
+
+
+def header_from(path: Any, head: bytes, *, size: int, mtime_ns: int = 0,
+                version: str | None = None) -> tuple[FileInfo, dict[str, TensorInfo]]:
+    """Validate the header in `head` (the file's first bytes: the 8-byte length, then the JSON; extra
+    bytes are ignored) of a file of `size` bytes; no tensor byte is needed."""
+    header_len = header_bytes_wanted(head, size) if len(head) >= 8 else len(head)
+    head = head[:header_len]
+    entries, metadata = parse_header(head, path=path, file_size=size)
+    tensors = {
+        name: TensorInfo(name, e["dtype"], tuple(e["shape"]), path, header_len + e["data_offsets"][0],
+                         e["data_offsets"][1] - e["data_offsets"][0])
+        for name, e in entries.items()
+    }
+    return FileInfo(path, size, mtime_ns, header_len, metadata, version), tensors
+
+
 def read_header(path: Path) -> tuple[FileInfo, dict[str, TensorInfo]]:
     """Read and validate one safetensors file's header; no tensor byte is read."""
     path = Path(path)
@@ -224,25 +248,60 @@ def read_header(path: Path) -> tuple[FileInfo, dict[str, TensorInfo]]:
         with open(path, "rb") as f:
             st = os.fstat(f.fileno())
             head = f.read(8)
-            if len(head) == 8:
-                (n,) = struct.unpack("<Q", head)
-                if 0 < n <= MAX_HEADER_BYTES and 8 + n <= st.st_size:
-                    head += f.read(n)
+            if len(head) == 8 and header_bytes_wanted(head, st.st_size) > 8:
+                head += f.read(header_bytes_wanted(head, st.st_size) - 8)
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read: {e.strerror}") from None
-    entries, metadata = parse_header(head, path=path, file_size=st.st_size)
-    header_len = len(head)
-    tensors = {
-        name: TensorInfo(name, e["dtype"], tuple(e["shape"]), path, header_len + e["data_offsets"][0],
-                         e["data_offsets"][1] - e["data_offsets"][0])
-        for name, e in entries.items()
-    }
-    return FileInfo(path, st.st_size, st.st_mtime_ns, header_len, metadata), tensors
+    return header_from(path, head, size=st.st_size, mtime_ns=st.st_mtime_ns)
 
 
 def files_identity(files: list[FileInfo]) -> dict[str, Any]:
-    """What makes a plan stale: file names, sizes and mtimes."""
-    return {"files": [{"name": f.path.name, "size": f.size, "mtime_ns": f.mtime_ns} for f in files]}
+    """What makes a plan stale: file names, sizes and mtimes (ETags or versions for a store)."""
+    return {"files": [{"name": f.path.name, "size": f.size,
+                       **({"mtime_ns": f.mtime_ns} if f.version is None else {"etag": f.version})} for f in files]}
+
+
+class Directory(Protocol):
+    """Where a checkpoint's files are: a local directory (`LocalDirectory`) or a prefix in a store or
+    on an HTTP server (`reshard.sources.remote.RemoteDirectory`). Names are plain file names."""
+
+    root: Any  # Path, or RemotePath for a store
+
+    def path(self, name: str) -> Any: ...
+
+    def is_file(self, name: str) -> bool: ...
+
+    def names(self) -> list[str] | None:
+        """File names directly in it; None where the store cannot list (plain HTTP)."""
+
+    def read_bytes(self, name: str) -> bytes: ...
+
+    def header(self, name: str) -> tuple[FileInfo, dict[str, TensorInfo]]: ...
+
+
+class LocalDirectory:
+    """A checkpoint directory on this machine."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+
+    def path(self, name: str) -> Path:
+        return self.root / name
+
+    def is_file(self, name: str) -> bool:
+        return (self.root / name).is_file()
+
+    def names(self) -> list[str]:
+        return sorted(p.name for p in self.root.iterdir())
+
+    def read_bytes(self, name: str) -> bytes:
+        try:
+            return (self.root / name).read_bytes()
+        except OSError as e:
+            raise CheckpointError(f"{self.root / name}: cannot read: {e.strerror}") from None
+
+    def header(self, name: str) -> tuple[FileInfo, dict[str, TensorInfo]]:
+        return read_header(self.root / name)
 
 
 class Source(Protocol):
@@ -263,7 +322,7 @@ class Source(Protocol):
 class Checkpoint:
     """A validated checkpoint: its files, every tensor (in name order) and its config.json."""
 
-    root: Path
+    root: Path  # or a RemotePath
     files: list[FileInfo]
     tensors: dict[str, TensorInfo]
     config: dict[str, Any] | None = None
@@ -273,18 +332,25 @@ class Checkpoint:
         """Open a checkpoint directory (model.safetensors, or index.json + files) or one .safetensors file."""
         path = Path(path)
         if path.is_file():
-            return cls._from_files(path.parent, [path], _read_config(path.parent))
+            d = LocalDirectory(path.parent)
+            return cls._from_files(d, [path.name], _read_config(d))
         if not path.is_dir():
             raise CheckpointError(f"{path}: no such checkpoint (expected a directory or a .safetensors file)")
-        config = _read_config(path)
-        index = path / INDEX_NAME
-        if index.is_file():
-            weight_map = _read_index(index)
+        return cls.from_directory(LocalDirectory(path))
+
+    @classmethod
+    def from_directory(cls, d: Directory) -> Checkpoint:
+        """A checkpoint from its directory: index.json and the files it names, else model.safetensors,
+        else every *.safetensors file (where the directory can be listed)."""
+        config = _read_config(d)
+        if d.is_file(INDEX_NAME):
+            index = d.path(INDEX_NAME)
+            weight_map = _read_index(d)
             names = sorted(set(weight_map.values()))
             for fname in names:
-                if Path(fname).name != fname or not (path / fname).is_file():
-                    raise CheckpointError(f"{index}: names file {fname!r}, which is missing from {path}")
-            ckpt = cls._from_files(path, [path / n for n in names], config)
+                if Path(fname).name != fname or not d.is_file(fname):
+                    raise CheckpointError(f"{index}: names file {fname!r}, which is missing from {d.root}")
+            ckpt = cls._from_files(d, names, config)
             for tname, fname in weight_map.items():
                 info = ckpt.tensors.get(tname)
                 if info is None or info.file.name != fname:
@@ -293,25 +359,27 @@ class Checkpoint:
             if extra:
                 raise CheckpointError(f"{index}: does not list {len(extra)} tensors found in the files, e.g. {min(extra)!r}")
             return ckpt
-        if (path / SINGLE_NAME).is_file():
-            return cls._from_files(path, [path / SINGLE_NAME], config)
-        found = sorted(path.glob("*.safetensors"))
+        if d.is_file(SINGLE_NAME):
+            return cls._from_files(d, [SINGLE_NAME], config)
+        listed = d.names()
+        found = sorted(n for n in listed or () if n.endswith(".safetensors") and d.is_file(n))
         if not found:
-            raise CheckpointError(f"{path}: no {SINGLE_NAME}, {INDEX_NAME} or *.safetensors files")
-        return cls._from_files(path, found, config)
+            extra = "" if listed is not None else " (this server cannot list files: only those two names are tried)"
+            raise CheckpointError(f"{d.root}: no {SINGLE_NAME}, {INDEX_NAME} or *.safetensors files{extra}")
+        return cls._from_files(d, found, config)
 
     @classmethod
-    def _from_files(cls, root: Path, paths: list[Path], config: dict[str, Any] | None) -> Checkpoint:
+    def _from_files(cls, d: Directory, names: list[str], config: dict[str, Any] | None) -> Checkpoint:
         files: list[FileInfo] = []
         tensors: dict[str, TensorInfo] = {}
-        for p in paths:
-            info, ts = read_header(p)
+        for name in names:
+            info, ts = d.header(name)
             files.append(info)
-            for name, t in ts.items():
-                if name in tensors:
-                    raise CheckpointError(f"tensor {name!r} is in both {tensors[name].file.name} and {p.name}")
-                tensors[name] = t
-        return cls(root, files, dict(sorted(tensors.items())), config)
+            for tname, t in ts.items():
+                if tname in tensors:
+                    raise CheckpointError(f"tensor {tname!r} is in both {tensors[tname].file.name} and {name}")
+                tensors[tname] = t
+        return cls(d.root, files, dict(sorted(tensors.items())), config)
 
     def global_tensors(self) -> dict[str, GlobalTensor]:
         """Every tensor as one piece covering all of it."""
@@ -327,28 +395,26 @@ class Checkpoint:
         return sum(t.nbytes for t in self.tensors.values())
 
 
-def _read_json(path: Path) -> Any:
+def read_json(d: Directory, name: str) -> Any:
+    """A JSON file of directory `d`, parsed; errors name the file."""
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        return json.loads(d.read_bytes(name).decode("utf-8"))
     except (ValueError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path}: not valid JSON: {e}") from None
-    except OSError as e:
-        raise CheckpointError(f"{path}: cannot read: {e.strerror}") from None
+        raise CheckpointError(f"{d.path(name)}: not valid JSON: {e}") from None
 
 
-def _read_config(root: Path) -> dict[str, Any] | None:
-    path = root / CONFIG_NAME
-    if not path.is_file():
+def _read_config(d: Directory) -> dict[str, Any] | None:
+    if not d.is_file(CONFIG_NAME):
         return None
-    obj = _read_json(path)
+    obj = read_json(d, CONFIG_NAME)
     if not isinstance(obj, dict):
-        raise CheckpointError(f"{path}: must be a JSON object, got {type(obj).__name__}")
+        raise CheckpointError(f"{d.path(CONFIG_NAME)}: must be a JSON object, got {type(obj).__name__}")
     return obj
 
 
-def _read_index(path: Path) -> dict[str, str]:
-    obj = _read_json(path)
+def _read_index(d: Directory) -> dict[str, str]:
+    obj = read_json(d, INDEX_NAME)
     wm = obj.get("weight_map") if isinstance(obj, dict) else None
     if not isinstance(wm, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in wm.items()):
-        raise CheckpointError(f"{path}: must be an object with a 'weight_map' of tensor name -> file name")
+        raise CheckpointError(f"{d.path(INDEX_NAME)}: must be an object with a 'weight_map' of tensor name -> file name")
     return wm

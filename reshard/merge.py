@@ -18,7 +18,7 @@ from reshard.outfs import check_space, output_errors, prepare_dir
 from reshard.plan import OutTensor, RankPlan, layout, segments_for, source_files
 from reshard.progress import Progress, add_progress_flags, human
 from reshard.shards import ShardSet
-from reshard.writer import copy_atomic, remove_stale_temps, write_json_atomic, write_rank_file
+from reshard.writer import remove_stale_temps, write_json_atomic, write_rank_file
 
 DEFAULT_MAX_FILE = 5 * 10**9
 _RETRY = "run the same merge again"
@@ -46,7 +46,9 @@ def merge_plans(shards: ShardSet, *, max_file_bytes: int = DEFAULT_MAX_FILE) -> 
 def merge(src: str | Path, out: str | Path, *, max_file_bytes: int = DEFAULT_MAX_FILE,
           progress: bool | None = None) -> dict[str, Any]:
     """Merge the rank shards in `src` into an HF checkpoint in `out`; returns a summary."""
-    shards = ShardSet.open(src)
+    from reshard.sources import copy_beside, open_shards  # local or in a store
+
+    shards = open_shards(src)
     plans = merge_plans(shards, max_file_bytes=max_file_bytes)
     out = prepare_dir(out)
     with output_errors(out, retry=_RETRY):
@@ -61,7 +63,7 @@ def merge(src: str | Path, out: str | Path, *, max_file_bytes: int = DEFAULT_MAX
             weight_map = {t.name: fname for fname, p in plans for t in p.tensors}
             write_json_atomic(out / INDEX_NAME, {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))})
         if shards.config is not None:  # read (and validated) from config.json when the shards were opened
-            copy_atomic(shards.root / CONFIG_NAME, out / CONFIG_NAME)
+            copy_beside(shards.root, CONFIG_NAME, out / CONFIG_NAME)
     return {"files": [f for f, _ in plans], "tensors": len(shards.tensors), "bytes": total, "tp": shards.tp}
 
 
@@ -77,7 +79,7 @@ def cmd_merge(args: argparse.Namespace) -> int:
 
 def add_commands(sub: Any) -> None:
     p = sub.add_parser("merge", help="merge a directory of rank shards back into a full HF checkpoint")
-    p.add_argument("shards", help="directory of rank-XXXXX-of-YYYYY.safetensors files")
+    p.add_argument("shards", help="directory (or s3:// / gs:// prefix) of rank-XXXXX-of-YYYYY.safetensors files")
     p.add_argument("-o", "--out", required=True, help="output checkpoint directory")
     p.add_argument("--max-file-bytes", type=int, default=DEFAULT_MAX_FILE,
                    help="start a new model-XXXXX-of-YYYYY file past this many bytes (default 5e9)")

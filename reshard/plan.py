@@ -104,7 +104,7 @@ class RankPlan:
     tp: int
     tensors: tuple[OutTensor, ...]
     header: bytes
-    files: dict[str, tuple[int, int]] = field(default_factory=dict)  # source path -> (size, mtime_ns)
+    files: dict[str, tuple[int, int | str]] = field(default_factory=dict)  # source -> (size, mtime_ns or ETag)
 
     @property
     def size(self) -> int:
@@ -276,7 +276,7 @@ def resolve_rules(ckpt_tensors: Sequence[str], manifest: Manifest, *, strict: bo
 
 
 def plan_rank(
-    tensors: dict[str, GlobalTensor], files: dict[str, tuple[int, int]], rules: dict[str, Rule], tp: int, rank: int
+    tensors: dict[str, GlobalTensor], files: dict[str, tuple[int, int | str]], rules: dict[str, Rule], tp: int, rank: int
 ) -> RankPlan:
     """One rank's plan; `tensors` from the source, `files` from `source_files`, `rules` from `resolve_rules`."""
     check_tp(tp, rank)
@@ -301,12 +301,12 @@ def data_order(name: str, dtype: str) -> tuple[int, str]:
     return (-DTYPE_SIZES[dtype], name)
 
 
-def source_files(ckpt: Source) -> dict[str, tuple[int, int]]:
+def source_files(ckpt: Source) -> dict[str, tuple[int, int | str]]:
     return {str(f.path): f.stat_key() for f in ckpt.files}
 
 
 def layout(
-    items: list[OutTensor], meta: dict[str, str], files: dict[str, tuple[int, int]], *, rank: int = 0, tp: int = 1
+    items: list[OutTensor], meta: dict[str, str], files: dict[str, tuple[int, int | str]], *, rank: int = 0, tp: int = 1
 ) -> RankPlan:
     """Order tensors (largest item size first, then name, as safetensors does) and build the header."""
     items.sort(key=lambda t: data_order(t.name, t.dtype))

@@ -14,7 +14,15 @@ from pathlib import Path
 from typing import Any
 
 from reshard.errors import CheckpointError
-from reshard.format import FileInfo, GlobalTensor, Piece, _read_config, files_identity, read_header
+from reshard.format import (
+    Directory,
+    FileInfo,
+    GlobalTensor,
+    LocalDirectory,
+    Piece,
+    _read_config,
+    files_identity,
+)
 from reshard.loaders import selection_shape
 from reshard.manifest import Manifest, Rule
 from reshard.plan import FORMAT
@@ -27,6 +35,10 @@ def is_shard_dir(path: str | os.PathLike[str]) -> bool:
     return path.is_dir() and any(RANK_FILE.fullmatch(p.name) for p in path.iterdir())
 
 
+def has_rank_files(names: list[str] | None) -> bool:
+    return any(RANK_FILE.fullmatch(n) for n in names or ())
+
+
 class ShardSet:
     """The rank files of one tp in a directory, seen as one checkpoint of global tensors."""
 
@@ -35,13 +47,15 @@ class ShardSet:
         self.root, self.tp, self.files, self.tensors, self.config = root, tp, files, tensors, config
 
     @classmethod
-    def open(cls, path: str | os.PathLike[str], *, tp: int | None = None) -> ShardSet:
-        root = Path(path)
-        found: dict[int, dict[int, Path]] = {}
-        for p in sorted(root.iterdir()):
-            m = RANK_FILE.fullmatch(p.name)
+    def open(cls, path: str | os.PathLike[str] | Directory, *, tp: int | None = None) -> ShardSet:
+        """The rank files in a local directory, or in a `Directory` (a store prefix that can be listed)."""
+        files_in = path if hasattr(path, "header") else LocalDirectory(Path(path))
+        root = files_in.root
+        found: dict[int, dict[int, str]] = {}
+        for name in files_in.names() or ():
+            m = RANK_FILE.fullmatch(name)
             if m:
-                found.setdefault(int(m.group(2)), {})[int(m.group(1))] = p
+                found.setdefault(int(m.group(2)), {})[int(m.group(1))] = name
         if not found:
             raise CheckpointError(f"{root}: no rank-XXXXX-of-YYYYY.safetensors files")
         if tp is None:
@@ -55,7 +69,7 @@ class ShardSet:
         files: list[FileInfo] = []
         parts: dict[str, list[tuple[int, Piece, dict[str, Any]]]] = {}
         for rank in range(tp):
-            info, local = read_header(ranks[rank])
+            info, local = files_in.header(ranks[rank])
             files.append(info)
             desc = _describe(info, rank, tp)
             if set(desc) != set(local):
@@ -75,7 +89,7 @@ class ShardSet:
                     raise CheckpointError(f"{root}: tensor {name!r} is described differently by rank {rank} and rank {pieces[0][0]}")
             tensors[name] = GlobalTensor(name, pieces[0][1].info.dtype, tuple(first["shape"]),
                                          tuple(p for _, p, _ in pieces), first["kind"], first.get("options") or {})
-        return cls(root, tp, files, tensors, _read_config(root))
+        return cls(root, tp, files, tensors, _read_config(files_in))
 
     def global_tensors(self) -> dict[str, GlobalTensor]:
         return self.tensors

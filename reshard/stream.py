@@ -2,20 +2,21 @@
 
 Every sink (file writer, HTTP response, trainer fill) consumes this one stream, so they all see the
 same bytes. Memory is one chunk (plus a bounded scratch for gathering small strided runs). Source
-files are opened once and checked against the plan's sizes at open and after every read: a file that
-changes under the stream fails it (`SourceChangedError`) rather than yield mixed bytes.
+files are opened once through a reader (`reshard.sources.readers`: pread on a local fd, or ranged GETs
+from a store, fetched ahead by a `Prefetcher` within a fixed cap) and checked against the plan's
+identity at open and after every read: a file that changes under the stream fails it
+(`SourceChangedError`) rather than yield mixed bytes.
 """
 
 from __future__ import annotations
 
 import bisect
 import itertools
-import os
 from collections.abc import Iterator
 from types import TracebackType
 
-from reshard.errors import SourceChangedError
 from reshard.plan import Interleave, RankPlan, Segment
+from reshard.sources.readers import Prefetcher, Reader, RemoteReader, open_reader
 
 CHUNK = 8 << 20
 _DIRECT_RUN = 256 << 10  # runs at least this long are read straight into the output
@@ -29,7 +30,7 @@ class RankStream:
         self.plan = plan
         self.size = plan.size
         self.chunk_size = chunk_size
-        self._fds: dict[str, int] = {}
+        self._readers: dict[str, Reader] = {}
         self._scratch: bytearray | None = None
         # flat index of pieces: (start offset in the output, piece); a piece is bytes or a Segment
         starts: list[int] = [0]
@@ -45,17 +46,12 @@ class RankStream:
         self._starts, self._pieces = starts, pieces
         try:
             for path, key in plan.files.items():
-                fd = os.open(path, os.O_RDONLY)
-                self._fds[path] = fd
-                st = os.fstat(fd)
-                if (st.st_size, st.st_mtime_ns) != tuple(key):
-                    raise SourceChangedError(f"{path}: changed since it was planned (size {st.st_size}, planned {key[0]}); re-plan")
-        except OSError as e:
-            self.close()
-            raise SourceChangedError(f"{e.filename}: cannot open source: {e.strerror}") from None
+                self._readers[path] = open_reader(path, key)
         except BaseException:
             self.close()
             raise
+        remote = {p: r for p, r in self._readers.items() if isinstance(r, RemoteReader)}
+        self._prefetch = Prefetcher(starts, pieces, self.size, remote) if remote else None
 
     def __enter__(self) -> RankStream:
         return self
@@ -64,9 +60,11 @@ class RankStream:
         self.close()
 
     def close(self) -> None:
-        fds, self._fds = self._fds, {}
-        for fd in fds.values():
-            os.close(fd)
+        readers, self._readers = self._readers, {}
+        if getattr(self, "_prefetch", None) is not None:
+            self._prefetch.cancel()
+        for r in readers.values():
+            r.close()
 
     def chunks(self, start: int = 0, end: int | None = None, *, reuse: bool = False) -> Iterator[memoryview]:
         """Yield bytes [start, end) in chunks of at most `chunk_size`.
@@ -93,13 +91,16 @@ class RankStream:
         for start, piece in zip(self._starts, self._pieces):
             if isinstance(piece, bytes):
                 yield start, len(piece), None
-            elif isinstance(piece, Segment) and piece.file is not None and piece.contiguous:
-                yield start, piece.nbytes, (self._fds[piece.file], piece.offset)
+            elif isinstance(piece, Segment) and piece.file is not None and piece.contiguous \
+                    and self._readers[piece.file].fd is not None:
+                yield start, piece.nbytes, (self._readers[piece.file].fd, piece.offset)
             else:
                 yield start, piece.nbytes, None
 
     def read_into(self, pos: int, out: memoryview) -> None:
         """Fill `out` with the stream's bytes starting at `pos`."""
+        if self._prefetch is not None:
+            self._prefetch.ensure(pos, pos + len(out))
         i = bisect.bisect_right(self._starts, pos) - 1
         done = 0
         while done < len(out):
@@ -122,25 +123,15 @@ class RankStream:
 
     def check_unchanged(self) -> None:
         """Raise `SourceChangedError` if a source file changed since the stream opened."""
-        for path, fd in self._fds.items():
-            st = os.fstat(fd)
-            if (st.st_size, st.st_mtime_ns) != tuple(self.plan.files[path]):
-                raise SourceChangedError(f"{path}: changed while being read; re-plan and retry")
-
-    def _pread(self, fd: int, dst: memoryview, offset: int, path: str) -> None:
-        got = 0
-        while got < len(dst):
-            n = os.preadv(fd, [dst[got:]], offset + got)
-            if n <= 0:
-                raise SourceChangedError(f"{path}: ended at byte {offset + got}, before the planned data; re-plan")
-            got += n
+        for reader in self._readers.values():
+            reader.check()
 
     def _read_segment(self, seg: Segment, lo: int, dst: memoryview) -> None:
         """Bytes [lo, lo+len(dst)) of a source segment into dst."""
         assert seg.file is not None
-        fd = self._fds[seg.file]
+        reader = self._readers[seg.file]
         if seg.contiguous:
-            self._pread(fd, dst, seg.offset + lo, seg.file)
+            reader.pread(dst, seg.offset + lo)
             return
         run, stride = seg.run, seg.stride
         pos, end = lo, lo + len(dst)
@@ -148,7 +139,7 @@ class RankStream:
             r, within = divmod(pos, run)
             if within or end - pos < run or run >= _DIRECT_RUN:
                 n = min(run - within, end - pos)
-                self._pread(fd, dst[pos - lo : pos - lo + n], seg.offset + r * stride + within, seg.file)
+                reader.pread(dst[pos - lo : pos - lo + n], seg.offset + r * stride + within)
                 pos += n
                 continue
             # several whole small runs: read the span covering them once, gather with numpy
@@ -156,7 +147,7 @@ class RankStream:
             k = min((end - pos) // run, max(1, (_SCRATCH - run) // stride + 1))
             span = (k - 1) * stride + run
             scratch = self._scratch_view(span)
-            self._pread(fd, scratch, seg.offset + r * stride, seg.file)
+            reader.pread_runs(scratch, seg.offset + r * stride, run, stride, k)
             src = np.lib.stride_tricks.as_strided(np.frombuffer(scratch, np.uint8), (k, run), (stride, 1))
             np.frombuffer(dst, np.uint8)[pos - lo : pos - lo + k * run].reshape(k, run)[...] = src
             pos += k * run
@@ -185,7 +176,7 @@ class RankStream:
             for part, a in zip(il.parts, cols):
                 span = (k - 1) * part.stride + part.run if k > 1 else part.run
                 scratch = self._scratch_view(span)
-                self._pread(self._fds[part.file], scratch, part.offset + r * part.stride, part.file)
+                self._readers[part.file].pread_runs(scratch, part.offset + r * part.stride, part.run, part.stride, k)
                 src = np.lib.stride_tricks.as_strided(np.frombuffer(scratch, np.uint8), (k, part.run), (part.stride, 1))
                 rows[:, a : a + part.run] = src
             pos += k * row

@@ -300,19 +300,26 @@ def write_shards(
     with output_errors(out, retry=RETRY):
         fsync_dir(out)
         if ckpt.config is not None:
-            copy_atomic(ckpt.root / CONFIG_NAME, out / CONFIG_NAME)
-        record.update(
-            files=published.files,
-            format="reshard/1",
-            tp=plan.tp,
-            plan=plan.digest,
-            source={"path": str(ckpt.root), **ckpt.identity()},
-            manifest={"source": plan.manifest.source, **plan.manifest.to_dict()},
-            config=ckpt.config,
-        )
-        write_json_atomic(out / MANIFEST_NAME, record)
+            from reshard.sources import copy_beside  # the source may be in a store
+
+            copy_beside(ckpt.root, CONFIG_NAME, out / CONFIG_NAME)
+        record["files"] = published.files
+        write_json_atomic(out / MANIFEST_NAME, complete_record(record, ckpt, plan))
         published.complete()
     return {**record, "kept": [rp.rank for rp in kept], "written": [rp.rank for rp in todo]}
+
+
+def complete_record(record: dict[str, Any], ckpt: Source, plan: Plan) -> dict[str, Any]:
+    """`record` (its `files` filled in) with what `reshard.json` says about the plan and source."""
+    record.update(
+        format="reshard/1",
+        tp=plan.tp,
+        plan=plan.digest,
+        source={"path": str(ckpt.root), **ckpt.identity()},
+        manifest={"source": plan.manifest.source, **plan.manifest.to_dict()},
+        config=ckpt.config,
+    )
+    return record
 
 
 class _Published:
@@ -359,9 +366,17 @@ def file_sha256(path: Path) -> str:
 
 def _load_record(path: Path, digest: str) -> dict[str, Any]:
     try:
-        old = json.loads(path.read_text())
+        return record_of_plan(path.read_text(), digest)
+    except OSError:
+        return {"files": {}}
+
+
+def record_of_plan(text: str | bytes | None, digest: str) -> dict[str, Any]:
+    """An earlier `reshard.json` (its text) if it is of plan `digest`, else an empty record."""
+    try:
+        old = json.loads(text) if text is not None else None
         if isinstance(old, dict) and old.get("plan") == digest and isinstance(old.get("files"), dict):
             return old
-    except (OSError, ValueError):
+    except ValueError:
         pass
     return {"files": {}}

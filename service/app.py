@@ -49,7 +49,12 @@ def _is_upload(path: str) -> bool:
 def create_app(settings: Settings | None = None) -> FastAPI:
     """Build the app; `settings` default to the `RESHARD_*` environment."""
     settings = settings if settings is not None else Settings()  # type: ignore[call-arg]
-    catalog = Catalog(settings)
+    if isinstance(settings.root, str):  # a root in a store
+        from service.store_catalog import StoreCatalog
+
+        catalog: Catalog = StoreCatalog(settings)
+    else:
+        catalog = Catalog(settings)
     digests = DigestCache(settings.digest_cache)
     job_manager = JobManager(settings, catalog, digests)
     service_metrics = ServiceMetrics(job_counts=job_manager.counts)

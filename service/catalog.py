@@ -22,8 +22,9 @@ from typing import Any, Generic, TypeVar
 
 from reshard.errors import ManifestError, NotFoundError, PlanError, RegistryError, ReshardError
 from reshard.format import CONFIG_NAME, INDEX_NAME, Checkpoint
-from reshard.manifest import Manifest, resolve_manifest
+from reshard.manifest import Manifest
 from reshard.plan import Plan, RankPlan, make_plan, resolve_rules
+from reshard.sources import checkpoint_manifest
 from reshard.writer import write_json_atomic
 from service.errors import BadRequest
 from service.settings import Settings
@@ -219,7 +220,7 @@ class Catalog:
         with entry.lock:
             if not entry.resolved:
                 try:
-                    entry.manifest = resolve_manifest(entry.ckpt.root, entry.ckpt.config, list(entry.ckpt.tensors))
+                    entry.manifest = checkpoint_manifest(entry.ckpt)
                 except ReshardError as e:
                     entry.manifest_error = e
                 entry.resolved = True

@@ -15,7 +15,8 @@ class Settings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="RESHARD_", extra="ignore", frozen=True)
 
-    root: Path = Field(description="directory whose subdirectories are the checkpoints served")
+    root: Path | str = Field(description="directory whose subdirectories are the checkpoints served, or a store "
+                             "prefix whose sub-prefixes are (s3://BUCKET/PREFIX, gs://..., http(s)://HOST/PATH)")
     host: str = Field("127.0.0.1", description="address `reshard serve` binds")
     port: int = Field(8000, ge=0, le=65535, description="port `reshard serve` binds (0: any free port)")
     token: SecretStr | None = Field(None, description="bearer token required by every endpoint but /healthz")
@@ -36,7 +37,11 @@ class Settings(BaseSettings):
 
     @field_validator("root")
     @classmethod
-    def _root_is_dir(cls, v: Path) -> Path:
+    def _root_is_dir(cls, v: Path | str) -> Path | str:
+        from reshard.sources import is_url
+
+        if is_url(str(v)):
+            return str(v).rstrip("/")
         v = Path(v).expanduser()
         if not v.is_dir():
             raise ValueError(f"root {v} is not a directory")
@@ -49,7 +54,14 @@ class Settings(BaseSettings):
 
     @property
     def state_dir(self) -> Path:
-        """Service-owned files (stored manifests, default job output) live in ROOT/.reshard."""
+        """Service-owned files (stored manifests, default job output) live in ROOT/.reshard (for a root
+        in a store: in ~/.cache/reshard/serve-HASH, or $XDG_CACHE_HOME)."""
+        if isinstance(self.root, str):
+            import hashlib
+            import os
+
+            cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+            return cache / "reshard" / f"serve-{hashlib.sha256(self.root.encode()).hexdigest()[:16]}"
         return self.root / ".reshard"
 
     @property

@@ -75,8 +75,9 @@ async def _receive(
     allowed_upload(filename)
     if content_length is not None and content_length > max_bytes:
         raise PayloadTooLarge(f"{filename}: {content_length} bytes exceeds the {max_bytes}-byte upload limit")
-    new_dir = not os.path.lexists(catalog.root / name) if valid_name(name) else False
-    if content_length is not None:
+    local = isinstance(catalog.root, Path)  # a root in a store refuses uploads in `directory`
+    new_dir = not os.path.lexists(catalog.root / name) if valid_name(name) and local else False
+    if content_length is not None and local:
         check_space(catalog.root / name, content_length, fix=f"free some space on the server, then {_RETRY}")
     directory = catalog.directory(name, create=True)
     final = directory / filename
