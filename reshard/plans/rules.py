@@ -85,6 +85,8 @@ class PlanRules:
         if hit is None:
             return None
         key, style, names_param, is_lm = hit
+        if not names_param and not conv.name.endswith((".weight", ".bias")):
+            return None  # another tensor of a planned module (an FP8 scale): `reshard.quant` places it
         if conv.per_expert and names_param:
             kind = self.mapper.for_expert_slice(key, style)
         elif names_param and not conv.name.endswith((".weight", ".bias")):
