@@ -133,16 +133,17 @@ class PlannedTensors(Sequence[OutTensor]):
                 sum(n * self._layouts[g].read for g, n in counts.items()))
 
     def _make(self, i: int) -> OutTensor:
-        name, gt = self._planner.order[i]
-        g = self._layouts[self._planner.gids[i]]
+        planner = self._planner
+        name, gt = planner.order[i]
+        g = self._layouts[planner.gids[i]]
         end = self._ends[i]
-        info = gt.pieces[0].info
-        file, delta = str(info.file), info.start - g.base_start
+        file, start = planner.where[i]
+        delta = start - g.base_start
         if delta == 0 and file == g.base_file:
             segments = g.segments
         else:
-            segments = tuple(_shift(s, file, delta) for s in g.segments)
-        rule = self._planner.rules[name]
+            segments = tuple([_shift(s, file, delta) for s in g.segments])
+        rule = planner.rules[name]
         t = _new(OutTensor)  # a frozen dataclass built without its per-field __setattr__ (same object)
         t.__dict__.update(name=name, dtype=gt.dtype, shape=g.shape, global_shape=gt.shape, kind=rule.kind,
                           options=dict(rule.options), selection=g.selection, segments=segments,
@@ -183,6 +184,7 @@ class RankPlanner:
             by_size.setdefault(DTYPE_SIZES[tensors[n].dtype], []).append(n)
         ordered = [n for size in sorted(by_size, reverse=True) for n in by_size[size]]
         self.order = [(n, tensors[n]) for n in ordered]
+        self.where = [(str(gt.pieces[0].info.file), gt.pieces[0].info.start) for _, gt in self.order]
         self.gids = [gid_by_name[n] for n in ordered]
         quoted = {n: _json_str(n) + ":" for n in names}
         self._quoted = [quoted[n] for n in ordered]
@@ -240,6 +242,11 @@ class LazyRanks(Sequence[RankPlan]):
         self._planner, self._ranks = planner, list(ranks)
         for r in self._ranks:  # every error now, before a caller prints anything
             planner.layouts(r)
+
+    @property
+    def planner(self) -> RankPlanner:
+        """The planner behind (a caller planning more ranks of the same tp later reuses its groups)."""
+        return self._planner
 
     def __len__(self) -> int:
         return len(self._ranks)
