@@ -191,6 +191,7 @@ class RankPlanner:
         self._sorted_gids = [gid_by_name[n] for n in names]
         self._sorted_quoted = list(quoted.values())
         self._layouts: dict[int, list[_Layout]] = {}
+        self._entries: tuple[Any, array[int], str] | None = None  # the last rank's header entries
 
     def layouts(self, rank: int) -> list[_Layout]:
         """Each group's layout on `rank` (all a bad rule or shape can fail on), made once per rank."""
@@ -204,16 +205,20 @@ class RankPlanner:
     def plan(self, rank: int) -> RankPlan:
         layouts = self.layouts(rank)
         sizes, heads = [g.nbytes for g in layouts], [g.entry for g in layouts]
-        ends = array("q", accumulate([sizes[g] for g in self.gids]))
-        entries = [f"{q}{heads[g]}{e - sizes[g]},{e}]}}" for q, g, e in zip(self._quoted, self.gids, ends)]
+        same = self._entries if self._entries is not None and self._entries[0] == (sizes, heads) else None
+        if same is not None:  # even splits: every rank has the same shapes and offsets, only selections differ
+            ends, entries = same[1], same[2]
+        else:
+            ends = array("q", accumulate([sizes[g] for g in self.gids]))
+            entries = ",".join([f"{q}{heads[g]}{e - sizes[g]},{e}]}}" for q, g, e in zip(self._quoted, self.gids, ends)])
+            self._entries = ((sizes, heads), ends, entries)
         describe = [g.describe for g in layouts]
         blob = ",".join([q + describe[g] for q, g in zip(self._sorted_quoted, self._sorted_gids)])
         meta = {"format": FORMAT, "tp": str(self.tp), "rank": str(rank), "tensors": "{" + blob + "}"}
         del blob
         text = json.dumps({"__metadata__": meta}, separators=_COMPACT)[:-1]
         del meta
-        text += ("," + ",".join(entries) if entries else "") + "}"
-        del entries
+        text += ("," + entries if entries else "") + "}"
         text += " " * (-len(text) % 8)  # ASCII (json escapes the rest): as many bytes as characters
         header = len(text).to_bytes(8, "little") + text.encode()
         return RankPlan(rank, self.tp, PlannedTensors(self, layouts, ends), header, self.files)  # type: ignore[arg-type]

@@ -26,6 +26,7 @@ from service.settings import Settings
 
 SUPERVISOR_ENV = "RESHARD_SUPERVISOR_PID"
 _PR_SET_PDEATHSIG = 1
+_M_MMAP_THRESHOLD = -3
 
 
 def settings_env(settings: Settings) -> dict[str, str | None]:
@@ -50,11 +51,20 @@ def _die_with_supervisor() -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def return_freed_buffers() -> None:
+    """Make glibc serve large buffers (shard chunks) from mmap and unmap them when freed. By default its
+    mmap threshold grows after the first freed chunk, later chunks come from the heap and the heap does
+    not shrink, so a server's resident memory would ratchet up to its busiest moment and stay there."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).mallopt(_M_MMAP_THRESHOLD, 1 << 20)
+
+
 def worker_app() -> FastAPI:
     """The app of one worker process (uvicorn's factory), settings from the environment."""
     from service.app import create_app
 
     _die_with_supervisor()
+    return_freed_buffers()
     return create_app()
 
 
