@@ -3,9 +3,13 @@
 The service computes each shard on the fly from the full checkpoint; nginx and FileResponse serve the
 same bytes pre-written by `reshard write`. Two manifests make the two access patterns: every matrix
 `column`-split (a rank's bytes are contiguous runs of the source) or every matrix `row`-split (runs
-of one row's slice, strided). The client is `curl -o /dev/null`; its wall time is measured and the
-servers' process trees are sampled for RssAnon alongside. Servers start before and stop after each
-comparison (outside the timings); the warm-up round also fills the service's plan cache.
+of one row's slice, strided); the default (Llama) plan mixes both. The concurrent cases pull mixed
+ranks of two tps (4 and 2) at once. `reshard serve` and nginx run as many worker processes as there
+are cores (`--workers`, `worker_processes`); FileResponse is one uvicorn process. The client is
+`curl -o /dev/null`; its wall time is measured and the servers' process trees are sampled for RssAnon
+alongside (the server's base before the run and its peak are both recorded, so the memory per open
+stream can be read off). Servers start before and stop after each comparison (outside the timings);
+the warm-up round also fills the service's plan caches.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.compare_write import reshard_bin
-from bench.interleave import Case, interleave
+from bench.interleave import Case, MiB, interleave
 from bench.measure import Result, median
 from bench.servers import (
     ensure_nginx,
@@ -31,7 +35,9 @@ from bench.servers import (
 )
 
 TP = 4
+TPS = (4, 2)  # the concurrent cases mix ranks of both
 MATRIX = ("*_proj.weight", "*embed_tokens.weight", "lm_head.weight")
+WORKERS = len(os.sched_getaffinity(0))
 
 
 KINDS = {"col": "column", "row": "row", "default": None}
@@ -50,10 +56,11 @@ def prepare(src: Path, work: Path, variants: list[str]) -> tuple[Path, Path]:
         if kind:
             rules = {"rules": [{"pattern": pat, "kind": kind} for pat in MATRIX]}
             (d / "reshard-rules.json").write_text(json.dumps(rules))
-        out = files / variant
-        if not (out / "reshard.json").exists():  # a run killed mid-write leaves no record: redo it
-            subprocess.run([reshard_bin(), "write", str(d), "--tp", str(TP), "-o", str(out), "--no-progress"],
-                           check=True, stdout=subprocess.DEVNULL)
+        for tp in TPS if variant == "default" else (TP,):
+            out = files / variant / f"tp{tp}"
+            if not (out / "reshard.json").exists():  # a run killed mid-write leaves no record: redo it
+                subprocess.run([reshard_bin(), "write", str(d), "--tp", str(tp), "-o", str(out), "--no-progress"],
+                               check=True, stdout=subprocess.DEVNULL)
     return root, files
 
 
@@ -85,24 +92,25 @@ def three_servers(root: Path, files: Path, work: Path) -> Iterator[dict[str, Any
     ports = {k: free_port() for k in ("reshard", "nginx", "fileresponse")}
     logs = work / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    with server(reshard_serve_argv(root, ports["reshard"]), f"http://127.0.0.1:{ports['reshard']}/healthz",
-                log=logs / "reshard-serve.log") as rs, \
-            server(nginx_argv(nginx, files, work / "nginx", ports["nginx"]), f"http://127.0.0.1:{ports['nginx']}/",
-                   log=logs / "nginx.log") as ng, \
+    with server(reshard_serve_argv(root, ports["reshard"], workers=WORKERS),
+                f"http://127.0.0.1:{ports['reshard']}/healthz", log=logs / "reshard-serve.log") as rs, \
+            server(nginx_argv(nginx, files, work / "nginx", ports["nginx"], workers=WORKERS),
+                   f"http://127.0.0.1:{ports['nginx']}/", log=logs / "nginx.log") as ng, \
             server(fileserver_argv(ports["fileresponse"]), f"http://127.0.0.1:{ports['fileresponse']}/healthz",
                    env={"BENCH_FILE_ROOT": str(files)}, log=logs / "fileresponse.log") as fr:
         yield {"ports": ports, "pids": {"reshard": rs.pid, "nginx": ng.pid, "fileresponse": fr.pid}}
 
 
-def serve_cases(srv: dict[str, Any], files: Path, variant: str, ranks: list[int]) -> list[Case]:
+def serve_cases(srv: dict[str, Any], files: Path, variant: str, pulls: list[tuple[int, int]]) -> list[Case]:
+    """Cases pulling `pulls` ((tp, rank) pairs) of `variant` at once from each server."""
     ports, pids = srv["ports"], srv["pids"]
-    names = [f"rank-{r:05d}-of-{TP:05d}.safetensors" for r in ranks]
-    expected = sum((files / variant / n).stat().st_size for n in names)
+    names = [f"{variant}/tp{tp}/rank-{r:05d}-of-{tp:05d}.safetensors" for tp, r in pulls]
+    expected = sum((files / n).stat().st_size for n in names)
     urls = {
-        "nginx": [f"http://127.0.0.1:{ports['nginx']}/{variant}/{n}" for n in names],
-        "reshard serve": [f"http://127.0.0.1:{ports['reshard']}/v1/checkpoints/{variant}/shards/{r}?tp={TP}"
-                          for r in ranks],
-        "FastAPI FileResponse": [f"http://127.0.0.1:{ports['fileresponse']}/files/{variant}/{n}" for n in names],
+        "nginx": [f"http://127.0.0.1:{ports['nginx']}/{n}" for n in names],
+        "reshard serve": [f"http://127.0.0.1:{ports['reshard']}/v1/checkpoints/{variant}/shards/{r}?tp={tp}"
+                          for tp, r in pulls],
+        "FastAPI FileResponse": [f"http://127.0.0.1:{ports['fileresponse']}/files/{n}" for n in names],
     }
     key = {"nginx": "nginx", "reshard serve": "reshard", "FastAPI FileResponse": "fileresponse"}
     cases = []
@@ -113,20 +121,33 @@ def serve_cases(srv: dict[str, Any], files: Path, variant: str, ranks: list[int]
     return cases
 
 
+def _mixed(n: int) -> list[tuple[int, int]]:
+    """n pulls cycling over every rank of tp=4 and tp=2."""
+    every = [(tp, r) for tp in TPS for r in range(tp)]
+    return [every[i % len(every)] for i in range(n)]
+
+
 def run_serve(src: Path, work: Path, *, full: bool, reps: int) -> list[dict[str, Any]]:
-    runs = [("serve 1 client, column rank", "col", [0])]
+    runs = [("serve 1 client, column rank", "col", [(TP, 0)])]
     if full:
-        runs += [("serve 1 client, row rank", "row", [0]), ("serve 4 clients, 4 ranks (llama plan)", "default", [0, 1, 2, 3])]
+        runs += [("serve 1 client, row rank", "row", [(TP, 0)]),
+                 ("serve 4 clients, mixed ranks of tp 4 and 2", "default", _mixed(4)),
+                 ("serve 16 clients, mixed ranks of tp 4 and 2", "default", _mixed(16))]
     root, files = prepare(src, work, sorted({v for _, v, _ in runs}))
     results = []
     with three_servers(root, files, work) as srv:
-        for title, variant, ranks in runs:
-            cases = serve_cases(srv, files, variant, ranks)
+        for title, variant, pulls in runs:
+            cases = serve_cases(srv, files, variant, pulls)
             # single transfers take a fraction of a second: more rounds for the same noise
-            res = interleave(title, cases, reps=reps if len(ranks) > 1 else max(reps, 7), baseline="nginx")
+            res = interleave(title, cases, reps=reps if len(pulls) > 1 else max(reps, 7), baseline="nginx")
             for name, c in res["cases"].items():
                 c["median_mb_s"] = median(r["mb_s"] for r in c["runs"])
                 c["note"] = next(x.note for x in cases if x.name == name)
-            res.update(variant=variant, ranks=ranks, tp=TP)
+                base = [r.get("watched_base_rss_anon_bytes", {}).get("server") for r in c["runs"]]
+                peak = [r.get("watched_peak_rss_anon_bytes", {}).get("server") for r in c["runs"]]
+                if all(b is not None for b in base) and all(p is not None for p in peak):
+                    c["server_base_rss_anon_mib"] = min(base) / MiB
+                    c["server_growth_per_stream_mib"] = max(p - b for p, b in zip(peak, base)) / MiB / len(pulls)
+            res.update(variant=variant, pulls=pulls, tp=TP, workers=WORKERS)
             results.append(res)
     return results

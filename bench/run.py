@@ -25,8 +25,8 @@ from bench.report import markdown, save
 from bench.targets import evaluate
 
 RESULTS = Path(__file__).resolve().parent / "results"
-COMPARISONS = ("write", "serve", "train", "fill")
-QUICK = ("write", "serve", "train")  # fill (TP worker start-up, ~1 min a round) only with --full or --only
+COMPARISONS = ("write", "serve", "train", "plan", "fill")
+QUICK = ("write", "serve", "train", "plan")  # fill (TP worker start-up, ~1 min a round) only with --full or --only
 
 
 def machine() -> str:
@@ -105,6 +105,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
             log("bench: comparison 3, service")
             results["comparisons"] += run_serve(ckpts["1gb"], work, full=args.full, reps=args.reps)
+        if "plan" in args.only:
+            from bench.compare_plan import run_plan
+
+            log("bench: comparison 5, planning 100,000 tensors")
+            results["comparisons"] += run_plan(args.data, work, reps=args.reps)
         if "train" in args.only:
             from bench.compare_train import run_train
 

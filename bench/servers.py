@@ -134,9 +134,9 @@ def nginx_argv(nginx: str, root: Path, work: Path, port: int, workers: int = 2) 
     return [nginx, "-p", str(work), "-c", str(conf)]
 
 
-def reshard_serve_argv(root: Path, port: int) -> list[str]:
+def reshard_serve_argv(root: Path, port: int, *, workers: int = 1) -> list[str]:
     return [reshard_bin(), "serve", "--root", str(root), "--host", "127.0.0.1", "--port", str(port),
-            "--log-level", "warning", "--no-access-log"]
+            "--log-level", "warning", "--no-access-log", "--workers", str(workers)]
 
 
 def fileserver_argv(port: int) -> list[str]:

@@ -48,10 +48,8 @@ def evaluate(results: dict[str, Any]) -> list[dict[str, Any]]:
     g = results.get("memory", {}).get("growth_1gb_to_4gb")
     out.append(_t("peak RssAnon growth 1 GB -> 4 GB", "-" if g is None else f"{g * 100:+.1f}%", "< +10%",
                   None if g is None else g < 0.10))
-    s = find(results, "serve 1 client, column rank")
-    r = pair_ratio(s, "reshard serve", "nginx") if s else None
-    out.append(_t("service throughput vs nginx, column-split rank, 1 client",
-                  "-" if r is None else f"{1 / r:.2f}x", ">= 0.8x", None if r is None else 1 / r >= 0.8))
+    out += serve_targets(results)
+    out += plan_targets(results)
     t = find(results, "trainer start-up tp2")
     r = pair_ratio(t, "http", "disk") if t else None
     out.append(_t("time to first step, HTTP vs local shards (tp=2)", "-" if r is None else f"{r:.2f}x", "<= 1.3x",
@@ -67,3 +65,44 @@ def evaluate(results: dict[str, Any]) -> list[dict[str, Any]]:
                       + f" (expected {b['expected_per_rank'] / 1e6:.0f} MB, full {b['full'] / 1e6:.0f} MB)",
                       "~ 1/tp of sharded + replicated, never full", ok))
     return out
+
+
+CHUNK_MIB, MAX_CHUNKS = 4, 5  # the service's default chunk; "a few chunks per open stream"
+SERVE_GOALS = (("serve 1 client, column rank", "column-split rank, 1 client", 0.9),
+               ("serve 1 client, row rank", "row-split rank, 1 client", 0.7),
+               ("serve 4 clients, mixed ranks of tp 4 and 2", "4 clients, mixed ranks of tp 4 and 2", 0.8),
+               ("serve 16 clients, mixed ranks of tp 4 and 2", "16 clients, mixed ranks of tp 4 and 2", 0.8))
+
+
+def serve_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """Service throughput vs nginx (both on every core), and server memory per open stream."""
+    out = []
+    for title, what, goal in SERVE_GOALS:
+        s = find(results, title)
+        r = pair_ratio(s, "reshard serve", "nginx") if s else None
+        out.append(_t(f"service throughput vs nginx, {what}", "-" if r is None else f"{1 / r:.2f}x", f">= {goal}x",
+                      None if r is None else 1 / r >= goal))
+        c = s["cases"].get("reshard serve") if s else None
+        if c and "server_growth_per_stream_mib" in c:
+            chunks = c["server_growth_per_stream_mib"] / CHUNK_MIB
+            out.append(_t(f"service peak RssAnon, {what}",
+                          f"base {c['server_base_rss_anon_mib']:.0f} MiB + {c['server_growth_per_stream_mib']:.1f} MiB "
+                          f"({chunks:.1f} chunks) per stream", f"<= {MAX_CHUNKS} chunks of {CHUNK_MIB} MiB per stream",
+                          chunks <= MAX_CHUNKS))
+    return out
+
+
+def plan_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
+    p = next((c for c in results.get("comparisons", []) if c["title"].startswith("plan ")), None)
+    if p is None:
+        return []
+    c = next(v for k, v in p["cases"].items() if k.startswith("reshard plan"))
+    fb = p.get("first_byte", {})
+    return [
+        _t(f"`reshard plan --tp {p['tp']}`, {p['tensors']} tensors", f"{c['median_s']:.2f} s "
+           f"({c['us_per_tensor_rank']:.2f} us per tensor per rank)", "< 2 s, <= 2 us", c["median_s"] < 2),
+        _t("peak RssAnon of `reshard plan`", f"{c['median_peak_rss_anon_mib']:.0f} MiB", "< 300 MB",
+           c["median_peak_rss_anon_mib"] * 2**20 < 300e6),
+        _t("first byte of a served shard, cold / warm", f"{fb.get('cold_s', float('nan')):.2f} s / "
+           f"{fb.get('warm_s', float('nan')):.2f} s", "<= 1 s / at once", fb.get("cold_s", 9) <= 1.0),
+    ]

@@ -22,17 +22,17 @@ def parse_ranks(text: str) -> list[int]:
     return sorted(set(ranks))
 
 
-def _plan(args: argparse.Namespace) -> tuple[Any, Plan]:
+def _plan(args: argparse.Namespace, *, lazy: bool = False) -> tuple[Any, Plan]:
     ckpt, manifest = open_source(args.checkpoint, rules=args.rules)
     ranks = parse_ranks(args.ranks) if getattr(args, "ranks", None) else None
-    plan = make_plan(ckpt, manifest, args.tp, ranks=ranks, strict=args.strict)
+    plan = make_plan(ckpt, manifest, args.tp, ranks=ranks, strict=args.strict, lazy=lazy)
     for w in plan.warnings:
         print(f"reshard: warning: {w}", file=sys.stderr)
     return ckpt, plan
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    ckpt, plan = _plan(args)
+    ckpt, plan = _plan(args, lazy=not args.json)  # the summary visits each rank once
     if args.json:
         json.dump(plan_to_json(plan, tensors=True), sys.stdout, indent=2)
         print()

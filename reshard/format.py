@@ -382,11 +382,15 @@ class Checkpoint:
         return cls(d.root, files, dict(sorted(tensors.items())), config)
 
     def global_tensors(self) -> dict[str, GlobalTensor]:
-        """Every tensor as one piece covering all of it."""
-        return {
-            name: GlobalTensor(name, t.dtype, t.shape, (Piece(t, full_selection(t.shape)),))
-            for name, t in self.tensors.items()
-        }
+        """Every tensor as one piece covering all of it (tensors of one shape share the selection)."""
+        full: dict[tuple[int, ...], Any] = {}
+        out = {}
+        for name, t in self.tensors.items():
+            sel = full.get(t.shape)
+            if sel is None:
+                sel = full[t.shape] = full_selection(t.shape)
+            out[name] = GlobalTensor(name, t.dtype, t.shape, (Piece(t, sel),))
+        return out
 
     def identity(self) -> dict[str, Any]:
         return files_identity(self.files)

@@ -108,16 +108,17 @@ class RankPlan:
 
     @property
     def size(self) -> int:
-        return len(self.header) + (self.tensors[-1].end if self.tensors else 0)
+        end = getattr(self.tensors, "end", None)  # planner.PlannedTensors knows it without building a tensor
+        return len(self.header) + (end if end is not None else self.tensors[-1].end if self.tensors else 0)
 
     def stats(self) -> dict[str, int]:
-        read = sum(s.nbytes for t in self.tensors for s in t.segments if not isinstance(s, Segment) or s.file)
-        return {
-            "tensors": len(self.tensors),
-            "bytes": self.size,
-            "replicated_bytes": sum(t.nbytes for t in self.tensors if t.replicated),
-            "bytes_read": read,
-        }
+        by_group = getattr(self.tensors, "stats", None)  # planner.PlannedTensors sums by layout group
+        if by_group is not None:
+            replicated, read = by_group()
+        else:
+            replicated = sum(t.nbytes for t in self.tensors if t.replicated)
+            read = sum(s.nbytes for t in self.tensors for s in t.segments if not isinstance(s, Segment) or s.file)
+        return {"tensors": len(self.tensors), "bytes": self.size, "replicated_bytes": replicated, "bytes_read": read}
 
 
 def rank_file_name(rank: int, tp: int) -> str:
@@ -279,15 +280,9 @@ def plan_rank(
     tensors: dict[str, GlobalTensor], files: dict[str, tuple[int, int | str]], rules: dict[str, Rule], tp: int, rank: int
 ) -> RankPlan:
     """One rank's plan; `tensors` from the source, `files` from `source_files`, `rules` from `resolve_rules`."""
-    check_tp(tp, rank)
-    items: list[OutTensor] = []
-    for name, src in tensors.items():
-        rule = rules[name]
-        sel = tensor_selection(name, src.shape, rule, rank, tp)
-        items.append(OutTensor(name, src.dtype, selection_shape(sel), src.shape, rule.kind, dict(rule.options),
-                               sel, segments_for(src, sel)))
-    meta = rank_metadata(tp, rank, {t.name: t.describe() for t in items})
-    return layout(items, meta, files, rank=rank, tp=tp)
+    from reshard.planner import RankPlanner  # it builds on this module's types
+
+    return RankPlanner(tensors, files, rules, tp).plan(rank)
 
 
 def rank_metadata(tp: int, rank: int, tensors: dict[str, dict[str, Any]]) -> dict[str, str]:
@@ -337,17 +332,24 @@ class Plan:
 
 
 def make_plan(
-    ckpt: Source, manifest: Manifest, tp: int, *, ranks: Sequence[int] | None = None, strict: bool = False
+    ckpt: Source, manifest: Manifest, tp: int, *, ranks: Sequence[int] | None = None, strict: bool = False,
+    lazy: bool = False,
 ) -> Plan:
-    """Plan `ranks` (default all) of `tp`; pure: reads no tensor data."""
+    """Plan `ranks` (default all) of `tp`; pure: reads no tensor data. With `lazy`, each rank is planned
+    when `plan.ranks[i]` is read, and not kept (for one pass over the ranks with little memory)."""
     check_tp(tp)
     for r in ranks or ():
         check_tp(tp, r)
-    tensors, files = ckpt.global_tensors(), source_files(ckpt)
-    rules, warnings = resolve_rules(list(tensors), manifest, strict=strict)
-    rank_plans = tuple(plan_rank(tensors, files, rules, tp, r) for r in (ranks if ranks is not None else range(tp)))
+    from reshard.planner import LazyRanks, RankPlanner, paused_gc  # it builds on this module's types
+
+    with paused_gc():
+        tensors, files = ckpt.global_tensors(), source_files(ckpt)
+        rules, warnings = resolve_rules(list(tensors), manifest, strict=strict)
+        planner = RankPlanner(tensors, files, rules, tp)
+        wanted = ranks if ranks is not None else range(tp)
+        rank_plans: Sequence[RankPlan] = LazyRanks(planner, wanted) if lazy else tuple(planner.plan(r) for r in wanted)
     identity = {"source": ckpt.identity(), "manifest": manifest.digest(), "tp": tp, "format": FORMAT}
-    return Plan(tp, rank_plans, manifest, identity, tuple(warnings))
+    return Plan(tp, rank_plans, manifest, identity, tuple(warnings))  # type: ignore[arg-type]
 
 
 def plan_to_json(plan: Plan, *, tensors: bool = True) -> dict[str, Any]:

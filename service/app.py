@@ -2,7 +2,8 @@
 
 Long-lived state lives on `app.state`: `settings`, `catalog` (parsed checkpoints and plans, cached
 by stat identity), `digests` (shard sha256 by ETag), `jobs` (background writes), `metrics` and
-`stream_context`. Middleware is pure ASGI (metrics outermost, then the optional bearer token) so shard
+`stream_context`; what several worker processes must agree on (jobs, digests) is in the SQLite
+`StateStore` they all open, and metrics are summed across them (`service.metrics`). Middleware is pure ASGI (metrics outermost, then the optional bearer token) so shard
 bodies stream through untouched.
 """
 
@@ -17,12 +18,14 @@ from fastapi.security import HTTPBearer
 import reshard
 from service.catalog import Catalog
 from service.errors import install_error_handlers
-from service.jobs import JobManager
+from service.jobs import STATE_DIR, JobManager
 from service.metrics import ServiceMetrics
 from service.middleware import DOC_PATHS, PUBLIC_PATHS, BearerAuth, BodyLimit, RequestMetrics
 from service.routers import checkpoints, health, jobs, metrics, shards
 from service.settings import Settings
+from service.store import StateStore
 from service.streaming import DigestCache, StreamContext
+from service.workers import stop_on_signals
 
 DESCRIPTION = """Tensor-parallel workers pull exactly their own shard of a checkpoint that lives only on
 this server, computed on the fly from the unmodified full checkpoint.
@@ -55,14 +58,19 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         catalog: Catalog = StoreCatalog(settings)
     else:
         catalog = Catalog(settings)
-    digests = DigestCache(settings.digest_cache)
-    job_manager = JobManager(settings, catalog, digests)
+    store = StateStore(settings.out_dir / STATE_DIR, max_digests=settings.digest_cache)
+    digests = DigestCache(min(settings.digest_cache, 1024), store)
+    job_manager = JobManager(settings, catalog, digests, store)
     service_metrics = ServiceMetrics(job_counts=job_manager.counts)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        yield
-        job_manager.shutdown()
+        restore = stop_on_signals(job_manager.stop)  # write jobs stop at once, not after the downloads
+        try:
+            yield
+        finally:
+            restore()
+            job_manager.shutdown()
 
     app = FastAPI(title="reshard", version=reshard.__version__, description=DESCRIPTION,
                   openapi_tags=TAGS, lifespan=lifespan)

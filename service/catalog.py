@@ -24,6 +24,7 @@ from reshard.errors import ManifestError, NotFoundError, PlanError, RegistryErro
 from reshard.format import CONFIG_NAME, INDEX_NAME, Checkpoint
 from reshard.manifest import Manifest
 from reshard.plan import Plan, RankPlan, make_plan, resolve_rules
+from reshard.planner import RankPlanner, paused_gc
 from reshard.sources import checkpoint_manifest
 from reshard.writer import write_json_atomic
 from service.errors import BadRequest
@@ -110,6 +111,7 @@ class Catalog:
         self.rules_dir = settings.state_dir / "rules"
         self._ckpts: LRU[tuple[str, StatKey], _Entry] = LRU(settings.checkpoint_cache)
         self._plans: LRU[tuple[Any, ...], tuple[str, RankPlan]] = LRU(settings.plan_cache)
+        self._planners: LRU[tuple[Any, ...], tuple[str, RankPlanner]] = LRU(8)
         self._stored: LRU[tuple[str, int, int], Manifest] = LRU(256)
 
     # --- paths -------------------------------------------------------------------------------
@@ -264,13 +266,19 @@ class Catalog:
         return make_plan(src.ckpt, src.manifest, tp, ranks=ranks)
 
     def rank_plan(self, src: Source, tp: int, rank: int) -> tuple[str, RankPlan]:
-        """(plan digest, RankPlan) for one rank, cached by stat identity, manifest, tp and rank."""
-        key = (src.name, src.key, src.manifest.digest(), tp, rank)
-        hit = self._plans.get(key)
+        """(plan digest, RankPlan) for one rank, cached by stat identity, manifest, tp and rank; the
+        tensor groups of a (checkpoint, manifest, tp) are kept too, so its other ranks plan fast."""
+        key = (src.name, src.key, src.manifest.digest(), tp)
+        hit = self._plans.get((*key, rank))
         if hit is None:
-            plan = make_plan(src.ckpt, src.manifest, tp, ranks=[rank])
-            hit = (plan.digest, plan.ranks[0])
-            self._plans.put(key, hit)
+            planned = self._planners.get(key)
+            if planned is None:
+                plan = make_plan(src.ckpt, src.manifest, tp, ranks=[], lazy=True)
+                planned = (plan.digest, plan.ranks.planner)  # type: ignore[attr-defined]
+                self._planners.put(key, planned)
+            with paused_gc():
+                hit = (planned[0], planned[1].plan(rank))
+            self._plans.put((*key, rank), hit)
         return hit
 
     def store_rules(self, name: str, manifest: Manifest, *, label: str = DEFAULT_LABEL,

@@ -1,4 +1,4 @@
-"""`reshard serve --root DIR [--host 127.0.0.1] [--port 8000] [--token TOKEN] [--out DIR]` on uvicorn.
+"""`reshard serve --root DIR [--host 127.0.0.1] [--port 8000] [--token TOKEN] [--out DIR] [--workers N]` on uvicorn.
 
 Every setting can also come from a `RESHARD_*` environment variable; flags override them.
 """
@@ -20,7 +20,7 @@ def _settings(args: argparse.Namespace) -> Any:
     flags = {
         "root": args.root, "host": args.host, "port": args.port, "token": args.token, "out": args.out,
         "max_upload_bytes": args.max_upload_bytes, "chunk_size": args.chunk_size, "log_level": args.log_level,
-        "public_docs": args.public_docs,
+        "public_docs": args.public_docs, "workers": args.workers,
     }
     try:
         return Settings(**{k: v for k, v in flags.items() if v is not None})
@@ -30,21 +30,22 @@ def _settings(args: argparse.Namespace) -> Any:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    settings = _settings(args)
+    if settings.workers > 1:
+        from service.workers import serve_workers
+
+        return serve_workers(settings, workers=settings.workers, access_log=not args.no_access_log)
+
     import uvicorn
 
     from service.app import create_app
+    from service.workers import return_freed_buffers
 
-    settings = _settings(args)
-    app = create_app(settings)
-
-    class Server(uvicorn.Server):
-        def handle_exit(self, sig: int, frame: Any) -> None:
-            app.state.jobs.stop()  # write jobs stop now, not once every open download has finished
-            super().handle_exit(sig, frame)
-
+    return_freed_buffers()
+    app = create_app(settings)  # its lifespan stops write jobs at SIGTERM, before uvicorn drains connections
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                             access_log=not args.no_access_log, timeout_keep_alive=30)
-    server = Server(config)
+    server = uvicorn.Server(config)
     with contextlib.suppress(KeyboardInterrupt):
         server.run()
     return 0 if server.started else 3  # uvicorn has logged why it did not start (port in use...)
@@ -60,6 +61,7 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--out", help="directory for write jobs (default ROOT/.reshard/out)")
     p.add_argument("--max-upload-bytes", type=int, help="largest accepted upload")
     p.add_argument("--chunk-size", type=int, help="bytes per streamed chunk (default 4 MiB)")
+    p.add_argument("--workers", type=int, help="worker processes sharing the port (default: one per core)")
     p.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug", "trace"])
     p.add_argument("--public-docs", action="store_true", default=None, help="/docs without the token")
     p.add_argument("--no-access-log", action="store_true", help="do not log every request")

@@ -1,41 +1,47 @@
-"""Background write jobs: rank files of a checkpoint into OUT/NAME/tp-N, with progress in memory.
+"""Background write jobs: rank files of a checkpoint into OUT/NAME/tp-N, their state shared by every worker.
 
 A job is planned when it is submitted (so bad input is a 4xx answer, not a failed job), then written
-by a small thread pool with the same `write_shards` as `reshard write`: each file atomic, then
-`reshard.json`. Jobs writing the same output directory run one after another. Job state lives in
-memory on `app.state.jobs`; the newest `max_jobs_kept` are remembered.
+by a small thread pool of the worker process that accepted it, with the same `write_shards` as
+`reshard write`: each file atomic, then `reshard.json`. Its state lives in the SQLite store every
+worker opens (`service.store`), so any worker answers `GET /v1/jobs/{id}`; it is claimed (queued ->
+running) in one transaction, so it runs exactly once. Jobs writing the same output directory run one
+after another, across workers too (an `flock` per output directory). The newest `max_jobs_kept` are
+remembered; progress is saved at most every `PROGRESS_EVERY` seconds, state changes at once.
 
-Each job's state is also saved (atomically, at every change of state) as OUT/.jobs/ID.json, a
-directory no checkpoint name can reach. A server that stops mid-job never half-publishes: rank files
-appear only complete, under their final names. When it stops gracefully, the running job is
-interrupted at its next chunk and queued ones are cancelled; either way they are reported `failed`
-("interrupted"), and on start-up any job still recorded as queued or running (the server was killed)
-is marked failed the same way, its leftover temp files removed.
+A server that stops mid-job never half-publishes: rank files appear only complete, under their final
+names. When it stops gracefully, the running job is interrupted at its next chunk and queued ones are
+cancelled; either way they are reported `failed` ("interrupted"). A worker that starts marks failed
+the same way any job still queued or running whose owner process is gone (it was killed), and removes
+that job's leftover temp files unless another job is writing the directory now.
 """
 
 from __future__ import annotations
 
-import json
+import fcntl
+import hashlib
 import logging
 import threading
 import time
 import uuid
-from collections import OrderedDict
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from reshard.errors import NotFoundError, ReshardError
 from reshard.plan import Plan, rank_file_name
-from reshard.writer import remove_stale_temps, write_json_atomic, write_shards
+from reshard.writer import remove_stale_temps, write_shards
 from service.catalog import Catalog, Source
 from service.settings import Settings
+from service.store import StateStore, is_alive, this_process
 from service.streaming import DigestCache, shard_etag
 
 log = logging.getLogger("reshard.service")
 STATES = ("queued", "running", "done", "failed")
 STATE_DIR = ".jobs"
+PROGRESS_EVERY = 0.25
 INTERRUPTED = "the server stopped before this job finished; only complete rank files were published; submit it again"
 
 
@@ -80,19 +86,20 @@ class Job:
 
 
 class JobManager:
-    """Submit, run and look up write jobs."""
+    """Submit, run and look up write jobs; `store` is shared with the other workers."""
 
-    def __init__(self, settings: Settings, catalog: Catalog, digests: DigestCache | None = None) -> None:
+    def __init__(self, settings: Settings, catalog: Catalog, digests: DigestCache | None = None,
+                 store: StateStore | None = None) -> None:
         self.out = settings.out_dir
         self.catalog, self.digests = catalog, digests
         self.max_kept = settings.max_jobs_kept
+        self.store = store if store is not None else StateStore(self.out / STATE_DIR)
+        self._owner = this_process()
         self._pool = ThreadPoolExecutor(settings.job_workers, thread_name_prefix="reshard-job")
-        self._jobs: OrderedDict[str, Job] = OrderedDict()
+        self._mine: dict[str, Job] = {}  # jobs this process runs, fresher than the store while they run
         self._lock = threading.Lock()
-        self._dir_locks: dict[Path, threading.Lock] = {}
         self._futures: dict[str, Future[None]] = {}
         self._stopping = threading.Event()
-        self._state_dir = self.out / STATE_DIR
         self._recover()
 
     def submit(self, name: str, tp: int, *, ranks: list[int] | None = None, rules: str | None = None) -> Job:
@@ -102,31 +109,30 @@ class JobManager:
         job = Job(uuid.uuid4().hex, name, tp, [rp.rank for rp in plan.ranks], rules, plan.digest, out_dir,
                   sum(rp.size for rp in plan.ranks))
         with self._lock:
-            self._jobs[job.id] = job
-            self._forget_old()
-            lock = self._dir_locks.setdefault(out_dir, threading.Lock())
-        self._save(job)
+            self._mine[job.id] = job
+        self.store.put_job(job.to_json(), owner=self._owner)
+        self.store.forget_old_jobs(self.max_kept)
         with self._lock:
-            self._futures[job.id] = self._pool.submit(self._run, job, src, plan, lock)
+            self._futures[job.id] = self._pool.submit(self._run, job, src, plan)
         return job
 
     def get(self, job_id: str) -> Job:
         with self._lock:
-            job = self._jobs.get(job_id)
-        if job is None:
-            raise NotFoundError(f"no job {job_id!r} (jobs are kept in memory; the newest {self.max_kept})")
-        return job
+            job = self._mine.get(job_id)
+        if job is not None:
+            return job
+        record = self.store.get_job(job_id)
+        if record is None:
+            raise NotFoundError(f"no job {job_id!r} (the newest {self.max_kept} jobs are kept)")
+        return Job.from_json(record)
 
     def list_jobs(self) -> list[Job]:
         with self._lock:
-            return list(self._jobs.values())
+            mine = dict(self._mine)
+        return [mine.get(r["id"]) or Job.from_json(r) for r in self.store.list_jobs()]
 
     def counts(self) -> dict[str, int]:
-        with self._lock:
-            counts = dict.fromkeys(STATES, 0)
-            for job in self._jobs.values():
-                counts[job.state] += 1
-            return counts
+        return {**dict.fromkeys(STATES, 0), **self.store.job_counts()}
 
     def stop(self) -> None:
         """Refuse to start queued jobs and interrupt the running one at its next chunk. Only sets an
@@ -139,81 +145,97 @@ class JobManager:
         self.stop()
         self._pool.shutdown(wait=False, cancel_futures=True)
         with self._lock:
-            cancelled = [self._jobs[i] for i, f in self._futures.items() if f.cancelled() and i in self._jobs]
+            cancelled = [self._mine[i] for i, f in self._futures.items() if f.cancelled() and i in self._mine]
         for job in cancelled:
             job.interrupt()
             self._save(job)
 
-    # --- saved state -------------------------------------------------------------------------
+    # --- shared state --------------------------------------------------------------------------
 
     def _save(self, job: Job) -> None:
         try:
-            self._state_dir.mkdir(parents=True, exist_ok=True)
-            write_json_atomic(self._state_dir / f"{job.id}.json", job.to_json())
-        except OSError as e:  # the job itself goes on; only a restart would not know it
+            self.store.put_job(job.to_json(), owner=self._owner)
+        except Exception as e:  # noqa: BLE001 - the job itself goes on; only other workers would not see it
             log.warning("cannot save the state of job %s: %s", job.id, e)
 
-    def _recover(self) -> None:
-        """Load saved jobs; those a stopped server left queued or running are marked failed."""
-        if not self._state_dir.is_dir():
-            return
-        remove_stale_temps(self._state_dir)
-        jobs = []
-        for path in sorted(self._state_dir.glob("*.json")):
+    @contextmanager
+    def _dir_lock(self, out_dir: Path, *, wait: bool = True) -> Iterator[bool]:
+        """Hold the output directory's lock (shared by every worker process); yields False when
+        `wait` is off and another job holds it."""
+        locks = self.out / STATE_DIR / "locks"
+        locks.mkdir(parents=True, exist_ok=True)
+        path = locks / (hashlib.sha256(str(out_dir).encode()).hexdigest()[:32] + ".lock")
+        with open(path, "a+b") as fh:
             try:
-                job = Job.from_json(json.loads(path.read_text(encoding="utf-8")))
-            except (OSError, ValueError, KeyError, TypeError) as e:
-                log.warning("ignoring unreadable job record %s: %s", path.name, e)
-                continue
-            if job.state in ("queued", "running"):
-                job.interrupt()
-                if job.output_dir.is_dir():
-                    remove_stale_temps(job.output_dir)
-                self._save(job)
-            jobs.append(job)
-        for job in sorted(jobs, key=lambda j: j.created_at)[-self.max_kept :]:
-            self._jobs[job.id] = job
-
-    def _forget_old(self) -> None:
-        while len(self._jobs) > self.max_kept:
-            oldest = next((k for k, j in self._jobs.items() if j.state in ("done", "failed")), None)
-            if oldest is None:
+                fcntl.flock(fh, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+            except BlockingIOError:
+                yield False
                 return
-            del self._jobs[oldest]
-            self._futures.pop(oldest, None)
-            (self._state_dir / f"{oldest}.json").unlink(missing_ok=True)
-
-    def _run(self, job: Job, src: Source, plan: Plan, lock: threading.Lock) -> None:
-        with lock:
-            if self._stopping.is_set():
-                job.interrupt()
-                self._save(job)
-                return
-            job.state, job.started_at = "running", time.time()
-            self._save(job)
             try:
-                self._write(job, src, plan)
-                job.state = "done"
-            except JobInterrupted:
-                job.interrupt()
-            except ReshardError as e:
-                job.error = {"error": type(e).__name__, "detail": str(e)}
-                job.state = "failed"
-            except Exception as e:  # an OSError (disk full...) or a bug: the job fails, the server stays up
-                log.exception("job %s failed", job.id)
-                job.error = {"error": type(e).__name__, "detail": str(e)}
-                job.state = "failed"
+                yield True
             finally:
-                job.finished_at = time.time()
-                self._save(job)
+                fcntl.flock(fh, fcntl.LOCK_UN)
+
+    def _recover(self) -> None:
+        """Jobs left queued or running by a worker that is gone are marked failed, their temps removed."""
+        for record, owner in self.store.unfinished_jobs():
+            if is_alive(owner):
+                continue
+            try:
+                job = Job.from_json(record)
+            except (ValueError, KeyError, TypeError) as e:
+                log.warning("ignoring unreadable job record %s: %s", record.get("id"), e)
+                continue
+            job.interrupt()
+            if job.output_dir.is_dir():
+                with self._dir_lock(job.output_dir, wait=False) as free:
+                    if free:  # else a live job writes there now; its temps are its own
+                        remove_stale_temps(job.output_dir)
+            self._save(job)
+
+    def _run(self, job: Job, src: Source, plan: Plan) -> None:
+        try:
+            with self._dir_lock(job.output_dir):
+                if self._stopping.is_set():
+                    job.interrupt()
+                    self._save(job)
+                    return
+                job.state, job.started_at = "running", time.time()
+                if not self.store.claim_job(job.to_json(), owner=self._owner):
+                    log.warning("job %s was no longer queued; not run again", job.id)
+                    return
+                try:
+                    self._write(job, src, plan)
+                    job.state = "done"
+                except JobInterrupted:
+                    job.interrupt()
+                except ReshardError as e:
+                    job.error = {"error": type(e).__name__, "detail": str(e)}
+                    job.state = "failed"
+                except Exception as e:  # an OSError (disk full...) or a bug: the job fails, the server stays up
+                    log.exception("job %s failed", job.id)
+                    job.error = {"error": type(e).__name__, "detail": str(e)}
+                    job.state = "failed"
+                finally:
+                    job.finished_at = time.time()
+                    self._save(job)
+        finally:
+            with self._lock:
+                self._mine.pop(job.id, None)
+                self._futures.pop(job.id, None)
 
     def _write(self, job: Job, src: Source, plan: Plan) -> None:
         """`reshard.writer.write_shards`, counting bytes for the job and caching the digests."""
+        saved = [time.monotonic()]
 
         def on_bytes(n: int) -> None:
             if self._stopping.is_set():
                 raise JobInterrupted(INTERRUPTED)
             job.bytes_done += n
+            now = time.monotonic()
+            if now - saved[0] >= PROGRESS_EVERY:
+                saved[0] = now
+                self._save(job)
 
         record = write_shards(src.ckpt, plan, job.output_dir, progress=False, on_bytes=on_bytes)
         for rp in plan.ranks:
@@ -221,5 +243,3 @@ class JobManager:
             job.outputs.append(str(job.output_dir / name))
             if self.digests is not None:
                 self.digests.put(shard_etag(plan.digest, rp.rank), record["files"][name]["sha256"])
-
-

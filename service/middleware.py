@@ -72,8 +72,8 @@ class RequestMetrics:
         finally:
             route = scope.get("route")
             label = getattr(route, "path", None) or ("/healthz" if scope["path"] == "/healthz" else "unmatched")
-            self.metrics.requests.inc(1, scope["method"], label, str(status[0]))
-            self.metrics.request_seconds.observe(time.monotonic() - t0, label)
+            self.metrics.requests.labels(scope["method"], label, str(status[0])).inc()
+            self.metrics.request_seconds.labels(label).observe(time.monotonic() - t0)
 
 
 class BodyLimit:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from pydantic import Field, SecretStr, field_validator
@@ -28,11 +29,13 @@ class Settings(BaseSettings):
     send_timeout: float = Field(120.0, gt=0, description="seconds a client may take to accept one chunk of a "
                                 "shard before the stream is dropped (frees its files and buffers)")
     io_threads: int = Field(32, ge=1, le=1024, description="threads reading shard bytes for all streams")
-    job_workers: int = Field(1, ge=1, le=64, description="background write jobs run at once")
+    job_workers: int = Field(1, ge=1, le=64, description="background write jobs run at once, per worker process")
+    workers: int = Field(default_factory=lambda: len(os.sched_getaffinity(0)), ge=1, le=256,
+                         description="worker processes of `reshard serve` sharing the port (default: one per core)")
     max_jobs_kept: int = Field(1000, ge=1, description="finished jobs remembered for GET /v1/jobs/{id}")
     checkpoint_cache: int = Field(64, ge=1, description="parsed checkpoints kept in memory")
     plan_cache: int = Field(1024, ge=1, description="rank plans kept in memory")
-    digest_cache: int = Field(4096, ge=1, description="shard sha256 digests kept in memory (by ETag)")
+    digest_cache: int = Field(4096, ge=1, description="shard sha256 digests kept (by ETag, in the store all workers share)")
     log_level: str = Field("info", description="uvicorn log level")
 
     @field_validator("root")

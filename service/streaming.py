@@ -33,6 +33,7 @@ from reshard.stream import RankStream
 from service.catalog import LRU
 from service.errors import RangeNotSatisfiable, response_for, served_root
 from service.metrics import ServiceMetrics
+from service.store import StateStore
 
 log = logging.getLogger("reshard.service")
 
@@ -88,28 +89,37 @@ def etag_matches(header: str | None, etag: str) -> bool:
 
 
 class DigestCache:
-    """sha256 of a shard by ETag, computed at most once at a time per ETag, kept in an LRU."""
+    """sha256 of a shard by ETag: an LRU in front of the store every worker shares (if given), so a
+    digest computed by one worker is seen by all; computed at most once at a time per ETag per worker."""
 
-    def __init__(self, maxsize: int) -> None:
+    def __init__(self, maxsize: int, store: StateStore | None = None) -> None:
         self._cache: LRU[str, str] = LRU(maxsize)
+        self._store = store
         self._locks: dict[str, threading.Lock] = {}
         self._guard = threading.Lock()
 
     def get(self, etag: str) -> str | None:
-        return self._cache.get(etag)
+        hit = self._cache.get(etag)
+        if hit is None and self._store is not None:
+            hit = self._store.get_digest(etag)
+            if hit is not None:
+                self._cache.put(etag, hit)
+        return hit
 
     def put(self, etag: str, sha256: str) -> None:
         self._cache.put(etag, sha256)
+        if self._store is not None:
+            self._store.put_digest(etag, sha256)
 
     def compute(self, etag: str, plan: RankPlan, *, chunk_size: int) -> tuple[str, bool]:
         """(sha256, was cached); blocking: call from a worker thread."""
-        hit = self._cache.get(etag)
+        hit = self.get(etag)
         if hit is not None:
             return hit, True
         with self._guard:
             lock = self._locks.setdefault(etag, threading.Lock())
         with lock:
-            hit = self._cache.get(etag)
+            hit = self.get(etag)
             if hit is not None:
                 return hit, True
             sha = hashlib.sha256()
@@ -117,7 +127,7 @@ class DigestCache:
                 for view in stream.chunks(reuse=True):
                     sha.update(view)
             digest = sha.hexdigest()
-            self._cache.put(etag, digest)
+            self.put(etag, digest)
         with self._guard:
             self._locks.pop(etag, None)
         return digest, False
@@ -181,7 +191,7 @@ class ShardResponse(Response):
         finally:
             stream.close()  # the reader thread has returned: cancellation waits for it
             m.active_streams.dec()
-            m.streams.inc(1, outcome)
+            m.streams.labels(outcome).inc()
             m.stream_seconds.observe(time.monotonic() - t0)
 
     async def _body(self, stream: RankStream, receive: Receive, send: Send) -> str:

@@ -115,8 +115,8 @@ async def put_file(name: Name, filename: Annotated[str, Path(json_schema_extra={
             max_bytes=settings.max_upload_bytes,
         )
     except BaseException:
-        metrics.uploads.inc(1, "refused")
+        metrics.uploads.labels("refused").inc()
         raise
-    metrics.uploads.inc(1, "published")
+    metrics.uploads.labels("published").inc()
     response.status_code = 200 if result["replaced"] else 201
     return result

@@ -97,5 +97,5 @@ async def get_digest(name: Name, rank: Rank, tp: TP, catalog: CatalogDep, digest
     etag = shard_etag(digest, rank)
     sha, cached = await anyio.to_thread.run_sync(
         lambda: digests.compute(etag, rp, chunk_size=ctx.chunk_size), limiter=ctx.limiter())
-    metrics.digests.inc(1, "hit" if cached else "miss")
+    metrics.digests.labels("hit" if cached else "miss").inc()
     return DigestOut(rank=rank, tp=tp, size=rp.size, etag=etag, sha256=sha, cached=cached)

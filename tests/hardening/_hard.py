@@ -1,6 +1,7 @@
 """Helpers for the hardening tests (tests/service must be on sys.path: conftest.py puts it there).
 
     ThrottledProxy(upstream, rate=...)        a TCP relay that slows responses down (kill a pull halfway)
+    live_server(root, ...)                    `_live.live_server` with --workers 2 (WORKERS)
     verbose_server(root, token=..., out=...)  `reshard serve` logging everything (trace level, access log)
     metric(srv, prefix), fd_count(pid), rss_anon(pid), tree(path), wait_for(pred), raw_http(srv, head)
 """
@@ -8,6 +9,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import socket
 import subprocess
@@ -16,8 +18,12 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import _live
 import httpx
-from _live import REPO, LiveServer, LoopbackProxy, _stop, _wait_healthy, free_port
+from _live import REPO, LiveServer, LoopbackProxy, _stop, _wait_healthy, free_port, process_tree
+
+WORKERS = 2  # the hardening suite runs against `reshard serve --workers 2`
+live_server = functools.partial(_live.live_server, workers=WORKERS)
 
 
 @contextlib.contextmanager
@@ -28,7 +34,7 @@ def verbose_server(root: Path, *, token: str, out: Path, log_path: Path) -> Iter
     env.update(RESHARD_TOKEN=token, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     port = free_port()
     cmd = [sys.executable, "-m", "reshard.cli", "serve", "--root", str(root), "--host", "127.0.0.1",
-           "--port", str(port), "--out", str(out), "--log-level", "trace"]
+           "--port", str(port), "--out", str(out), "--log-level", "trace", "--workers", str(WORKERS)]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
     srv = LiveServer(f"http://127.0.0.1:{port}", proc, log_path, token)
@@ -46,15 +52,14 @@ def metric(srv: LiveServer, prefix: str) -> float:
 
 
 def fd_count(pid: int) -> int:
-    return len(os.listdir(f"/proc/{pid}/fd"))
+    """Open file descriptors of a process and its descendants (a server's workers)."""
+    return sum(len(os.listdir(f"/proc/{p}/fd")) for p in process_tree(pid) if os.path.isdir(f"/proc/{p}/fd"))
 
 
 def rss_anon(pid: int) -> int:
-    """Anonymous resident memory of a process in bytes (heap, stacks; not the page cache of mapped files)."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("RssAnon:"):
-            return int(line.split()[1]) * 1024
-    raise KeyError("RssAnon")
+    """Anonymous resident memory (heap, stacks; not the page cache of mapped files) of a process and its
+    descendants, in bytes."""
+    return _live.tree_status_kib(pid, "RssAnon") * 1024
 
 
 def tree(path: Path) -> dict[str, int]:

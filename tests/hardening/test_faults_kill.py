@@ -17,8 +17,8 @@ from typing import Any
 
 import httpx
 import pytest
-from _hard import metric, wait_for
-from _live import REPO, LiveServer, live_server, make_ckpt
+from _hard import live_server, metric, wait_for
+from _live import REPO, LiveServer, make_ckpt
 
 from reshard.plan import rank_file_name
 from reshard.writer import MANIFEST_NAME, TMP_PREFIX

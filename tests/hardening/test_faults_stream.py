@@ -20,8 +20,8 @@ from typing import Any
 
 import httpx
 import pytest
-from _hard import ThrottledProxy, fd_count, metric, rss_anon, wait_for
-from _live import BIG, REPO, LiveServer, live_server, make_ckpt
+from _hard import ThrottledProxy, fd_count, live_server, metric, rss_anon, wait_for
+from _live import BIG, REPO, LiveServer, make_ckpt
 
 from reshard.client import ShardClient
 from reshard.errors import IntegrityError

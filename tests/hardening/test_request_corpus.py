@@ -12,8 +12,8 @@ from typing import Any
 
 import httpx
 import pytest
-from _hard import raw_http, tree
-from _live import LiveServer, live_server, make_ckpt
+from _hard import live_server, raw_http, tree
+from _live import LiveServer, make_ckpt
 
 from reshard.plan import rank_file_name
 

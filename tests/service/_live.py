@@ -7,7 +7,7 @@
     with live_server(root, token="t", chunk_size=1 << 20) as srv:
         srv.url                                          # http://127.0.0.1:PORT
         srv.ckpt_url("tiny")                             # .../v1/checkpoints/tiny
-        srv.rss(), srv.peak_rss()                        # server memory, bytes
+        srv.rss(), srv.peak_rss(), srv.fds()             # server memory (bytes), fds: all its workers
 
 `live_server` runs `python -m reshard.cli serve` in a subprocess on a free port (settings other than
 root/host/port/token/out go through `RESHARD_*` environment variables), waits for /healthz and
@@ -59,6 +59,27 @@ def _status_kib(pid: int, field: str) -> int:
     raise KeyError(field)
 
 
+def process_tree(pid: int) -> list[int]:
+    """`pid` and all its descendants (a `--workers N` server: the supervisor and its workers)."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        for task in Path(f"/proc/{p}/task").glob("*"):
+            with contextlib.suppress(OSError):
+                todo += [int(c) for c in (task / "children").read_text().split()]
+    return out
+
+
+def tree_status_kib(pid: int, field: str) -> int:
+    """A /proc status field summed over the process tree (processes that just ended count 0)."""
+    total = 0
+    for p in process_tree(pid):
+        with contextlib.suppress(OSError, KeyError):
+            total += _status_kib(p, field)
+    return total
+
+
 @dataclass
 class LiveServer:
     url: str
@@ -73,10 +94,16 @@ class LiveServer:
         return {"Authorization": f"Bearer {self.token}"} if self.token else {}
 
     def rss(self) -> int:
-        return _status_kib(self.proc.pid, "VmRSS") * 1024
+        """Resident memory of the server, summed over its worker processes."""
+        return tree_status_kib(self.proc.pid, "VmRSS") * 1024
 
     def peak_rss(self) -> int:
-        return _status_kib(self.proc.pid, "VmHWM") * 1024
+        """Peak resident memory, summed over its worker processes (an upper bound of the tree's peak)."""
+        return tree_status_kib(self.proc.pid, "VmHWM") * 1024
+
+    def fds(self) -> int:
+        """Open file descriptors of the server and its workers."""
+        return sum(len(os.listdir(f"/proc/{p}/fd")) for p in process_tree(self.proc.pid) if os.path.isdir(f"/proc/{p}/fd"))
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -87,8 +114,9 @@ class LiveServer:
 
 @contextlib.contextmanager
 def live_server(root: Path, *, token: str | None = None, out: Path | None = None, log_dir: Path | None = None,
-                startup_timeout: float = 60.0, **settings: Any) -> Iterator[LiveServer]:
-    """`reshard serve --root ROOT` on 127.0.0.1:free port until the block ends."""
+                startup_timeout: float = 60.0, workers: int = 1, **settings: Any) -> Iterator[LiveServer]:
+    """`reshard serve --root ROOT --workers N` on 127.0.0.1:free port until the block ends (one worker
+    unless asked: the hardening tests use two)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("RESHARD_")}
     env.update({f"RESHARD_{k.upper()}": str(v) for k, v in settings.items()})
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
@@ -97,7 +125,7 @@ def live_server(root: Path, *, token: str | None = None, out: Path | None = None
     for _attempt in range(3):
         port = free_port()
         cmd = [sys.executable, "-m", "reshard.cli", "serve", "--root", str(root), "--host", "127.0.0.1",
-               "--port", str(port), "--log-level", "warning", "--no-access-log"]
+               "--port", str(port), "--log-level", "warning", "--no-access-log", "--workers", str(workers)]
         if token:
             cmd += ["--token", token]
         if out:

@@ -297,19 +297,22 @@ def test_openapi_describes_everything(client: TestClient) -> None:
 def test_metrics_exposition(client: TestClient) -> None:
     client.get("/v1/checkpoints/tiny/shards/0", params={"tp": 2})
     client.get("/v1/checkpoints/missing")
-    text = client.get("/metrics").text
-    assert 'reshard_http_requests_total{method="GET",route="/v1/checkpoints/{name}/shards/{rank}",status="200"} 1' in text
-    assert 'reshard_http_requests_total{method="GET",route="/v1/checkpoints/{name}",status="404"} 1' in text
-    assert "reshard_active_streams 0" in text
-    assert 'reshard_shard_streams_total{outcome="complete"} 1' in text
-    assert "reshard_stream_duration_seconds_count 1" in text
-    assert 'reshard_jobs{state="done"} 0' in text
-    served = [ln for ln in text.splitlines() if ln.startswith("reshard_shard_bytes_served_total ")]
-    size = int(client.head("/v1/checkpoints/tiny/shards/0", params={"tp": 2}).headers["content-length"])
-    assert served == [f"reshard_shard_bytes_served_total {size}"]
-    for line in text.splitlines():  # every sample line is `name{labels} number`
+    r = client.get("/metrics")
+    assert r.headers["content-type"].startswith("text/plain; version=0.0.4")
+    samples = {}
+    for line in r.text.splitlines():  # every sample line is `name{labels} number`
         if line and not line.startswith("#"):
-            float(line.rsplit(" ", 1)[1])
+            key, value = line.rsplit(" ", 1)
+            samples[key] = float(value)
+    assert samples['reshard_http_requests_total{method="GET",route="/v1/checkpoints/{name}/shards/{rank}",status="200"}'] == 1
+    assert samples['reshard_http_requests_total{method="GET",route="/v1/checkpoints/{name}",status="404"}'] == 1
+    assert samples["reshard_active_streams"] == 0
+    assert samples['reshard_shard_streams_total{outcome="complete"}'] == 1
+    assert samples["reshard_stream_duration_seconds_count"] == 1
+    assert samples['reshard_jobs{state="done"}'] == 0
+    size = int(client.head("/v1/checkpoints/tiny/shards/0", params={"tp": 2}).headers["content-length"])
+    assert samples["reshard_shard_bytes_served_total"] == size
+    assert not any(k.endswith("_created") for k in samples)
 
 
 def test_settings_env_and_flags(root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

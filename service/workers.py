@@ -1,0 +1,121 @@
+"""`reshard serve --workers N`: N uvicorn worker processes accepting on one listening socket.
+
+The supervisor (uvicorn's `Multiprocess`, which restarts a worker that dies) binds the socket, hands
+every worker the validated settings through `RESHARD_*` environment variables and a fresh
+`PROMETHEUS_MULTIPROC_DIR` for the metrics, and on SIGTERM/SIGINT stops the workers gracefully. Each
+worker builds the app with `worker_app()`. A worker dies with its supervisor, even a SIGKILLed one
+(`PR_SET_PDEATHSIG`), so no orphan keeps the port or a job; jobs it left are marked failed by the next
+worker to start (`service.jobs`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import shutil
+import signal
+import tempfile
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from fastapi import FastAPI
+
+from service.settings import Settings
+
+SUPERVISOR_ENV = "RESHARD_SUPERVISOR_PID"
+_PR_SET_PDEATHSIG = 1
+_M_MMAP_THRESHOLD = -3
+
+
+def settings_env(settings: Settings) -> dict[str, str | None]:
+    """`RESHARD_*` variables that rebuild exactly `settings` in another process (None: unset it)."""
+    env: dict[str, str | None] = {}
+    for name, value in settings.model_dump().items():
+        if value is not None and hasattr(value, "get_secret_value"):
+            value = value.get_secret_value()
+        env[f"RESHARD_{name.upper()}"] = None if value is None else str(value)
+    return env
+
+
+def _die_with_supervisor() -> None:
+    """Ask the kernel to SIGKILL this worker when its supervisor exits (Linux); a no-op elsewhere."""
+    supervisor = os.environ.get(SUPERVISOR_ENV)
+    if not supervisor:
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != int(supervisor):  # it died before the request above: follow it now
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def return_freed_buffers() -> None:
+    """Make glibc serve large buffers (shard chunks) from mmap and unmap them when freed. By default its
+    mmap threshold grows after the first freed chunk, later chunks come from the heap and the heap does
+    not shrink, so a server's resident memory would ratchet up to its busiest moment and stay there."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).mallopt(_M_MMAP_THRESHOLD, 1 << 20)
+
+
+def worker_app() -> FastAPI:
+    """The app of one worker process (uvicorn's factory), settings from the environment."""
+    from service.app import create_app
+
+    _die_with_supervisor()
+    return_freed_buffers()
+    return create_app()
+
+
+def stop_on_signals(stop: Callable[[], None]) -> Callable[[], None]:
+    """Call `stop` first when SIGTERM or SIGINT arrives, then the handler already installed (uvicorn's
+    graceful shutdown); returns a function that puts the previous handlers back. Only the main thread
+    may set handlers: elsewhere (an in-process test client) this does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+    def handler(sig: int, frame: Any) -> None:
+        stop()
+        prev = previous[sig]
+        if callable(prev):
+            prev(sig, frame)
+
+    for sig in previous:
+        signal.signal(sig, handler)
+
+    def restore() -> None:
+        for sig, prev in previous.items():
+            signal.signal(sig, prev)
+
+    return restore
+
+
+def serve_workers(settings: Settings, *, workers: int, access_log: bool) -> int:
+    """Run `workers` worker processes on one socket until SIGTERM/SIGINT; 3 if the socket cannot be bound."""
+    import uvicorn
+    from uvicorn.supervisors import Multiprocess
+
+    from service.metrics import MULTIPROC_ENV
+
+    for key, value in settings_env(settings).items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+    os.environ[SUPERVISOR_ENV] = str(os.getpid())
+    metrics_dir = tempfile.mkdtemp(prefix="reshard-metrics-")
+    os.environ[MULTIPROC_ENV] = metrics_dir
+    try:
+        config = uvicorn.Config("service.workers:worker_app", factory=True, host=settings.host, port=settings.port,
+                                workers=workers, log_level=settings.log_level, access_log=access_log,
+                                timeout_keep_alive=30)
+        try:
+            sock = config.bind_socket()
+        except SystemExit:  # uvicorn has logged why (address in use...)
+            return 3
+        Multiprocess(config, sockets=[sock]).run()
+        return 0
+    finally:
+        shutil.rmtree(metrics_dir, ignore_errors=True)
