@@ -18,7 +18,7 @@ from fastapi.security import HTTPBearer
 import reshard
 from service.catalog import Catalog
 from service.errors import install_error_handlers
-from service.jobs import STATE_DIR, JobManager
+from service.jobs import JobManager
 from service.metrics import ServiceMetrics
 from service.middleware import DOC_PATHS, PUBLIC_PATHS, BearerAuth, BodyLimit, RequestMetrics
 from service.routers import checkpoints, health, jobs, metrics, shards
@@ -58,7 +58,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         catalog: Catalog = StoreCatalog(settings)
     else:
         catalog = Catalog(settings)
-    store = StateStore(settings.out_dir / STATE_DIR, max_digests=settings.digest_cache)
+    store = StateStore(settings.jobs_dir, max_digests=settings.digest_cache)
     digests = DigestCache(min(settings.digest_cache, 1024), store)
     job_manager = JobManager(settings, catalog, digests, store)
     service_metrics = ServiceMetrics(job_counts=job_manager.counts)

@@ -40,7 +40,6 @@ from service.streaming import DigestCache, shard_etag
 
 log = logging.getLogger("reshard.service")
 STATES = ("queued", "running", "done", "failed")
-STATE_DIR = ".jobs"
 PROGRESS_EVERY = 0.25
 INTERRUPTED = "the server stopped before this job finished; only complete rank files were published; submit it again"
 
@@ -90,10 +89,10 @@ class JobManager:
 
     def __init__(self, settings: Settings, catalog: Catalog, digests: DigestCache | None = None,
                  store: StateStore | None = None) -> None:
-        self.out = settings.out_dir
+        self.out, self.state_dir = settings.out_dir, settings.jobs_dir
         self.catalog, self.digests = catalog, digests
         self.max_kept = settings.max_jobs_kept
-        self.store = store if store is not None else StateStore(self.out / STATE_DIR)
+        self.store = store if store is not None else StateStore(settings.jobs_dir)
         self._owner = this_process()
         self._pool = ThreadPoolExecutor(settings.job_workers, thread_name_prefix="reshard-job")
         self._mine: dict[str, Job] = {}  # jobs this process runs, fresher than the store while they run
@@ -162,7 +161,7 @@ class JobManager:
     def _dir_lock(self, out_dir: Path, *, wait: bool = True) -> Iterator[bool]:
         """Hold the output directory's lock (shared by every worker process); yields False when
         `wait` is off and another job holds it."""
-        locks = self.out / STATE_DIR / "locks"
+        locks = self.state_dir / "locks"
         locks.mkdir(parents=True, exist_ok=True)
         path = locks / (hashlib.sha256(str(out_dir).encode()).hexdigest()[:32] + ".lock")
         with open(path, "a+b") as fh:
@@ -238,6 +237,7 @@ class JobManager:
                 self._save(job)
 
         record = write_shards(src.ckpt, plan, job.output_dir, progress=False, on_bytes=on_bytes)
+        job.bytes_done = job.bytes_total  # rank files an earlier run published were kept, not rewritten
         for rp in plan.ranks:
             name = rank_file_name(rp.rank, rp.tp)
             job.outputs.append(str(job.output_dir / name))

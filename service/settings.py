@@ -9,6 +9,7 @@ from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 MiB = 1 << 20
+STATE_DIR = ".jobs"  # under OUT, unless RESHARD_STATE names another directory
 
 
 class Settings(BaseSettings):
@@ -22,6 +23,9 @@ class Settings(BaseSettings):
     port: int = Field(8000, ge=0, le=65535, description="port `reshard serve` binds (0: any free port)")
     token: SecretStr | None = Field(None, description="bearer token required by every endpoint but /healthz")
     out: Path | None = Field(None, description="where jobs write rank files; default ROOT/.reshard/out")
+    state: Path | None = Field(None, description="the workers' shared state (SQLite of jobs and digests, job locks); "
+                               "default OUT/.jobs. Keep it off a file system you may remount read-only: an open "
+                               "database keeps the remount from happening")
     public_docs: bool = Field(False, description="serve /docs and /openapi.json without the token")
     max_upload_bytes: int = Field(64 << 30, ge=1, description="largest accepted upload (413 above it)")
     max_body_bytes: int = Field(1 * MiB, ge=1, description="largest JSON request body (manifests, jobs)")
@@ -70,3 +74,7 @@ class Settings(BaseSettings):
     @property
     def out_dir(self) -> Path:
         return (self.out.expanduser().resolve() if self.out is not None else self.state_dir / "out")
+
+    @property
+    def jobs_dir(self) -> Path:
+        return self.state.expanduser().resolve() if self.state is not None else self.out_dir / STATE_DIR

@@ -17,8 +17,11 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
+
+import pytest
 
 BALLAST = ".ballast"
 
@@ -145,3 +148,20 @@ def same_tree(a: Path, b: Path, *, names: list[str] | None = None) -> None:
             assert json.loads((a / name).read_text()) == json.loads((b / name).read_text())
         else:
             assert (a / name).read_bytes() == (b / name).read_bytes(), name
+
+
+KINDS = ("ext4", "tmpfs")
+TP = 2
+
+
+def get_mount(mounts: dict[str, Mount | str], kind: str) -> Mount:
+    m = mounts[kind]
+    if isinstance(m, str):
+        pytest.skip(f"cannot mount {kind} here: {m}")
+    return m
+
+
+def reshard(*args: object, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """`reshard ARGS` in a fresh interpreter (so a signal would show as a negative return code)."""
+    return subprocess.run([sys.executable, "-m", "reshard.cli", *map(str, args)], capture_output=True,
+                          text=True, timeout=timeout, check=False)

@@ -4,21 +4,18 @@ each command writes there (the references every resumed output must equal byte f
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from _fs import Mount, MountError
+from _fs import KINDS, TP, Mount, MountError, get_mount
 
 from reshard.synth import llama_config, make_checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "service"))  # _live: a real `reshard serve`
 
-KINDS = ("ext4", "tmpfs")
 SIZE_MB = 24
-TP = 2
 
 
 @pytest.fixture(scope="session")
@@ -40,13 +37,6 @@ def mounts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Mount
                 m.destroy()
 
 
-def get_mount(mounts: dict[str, Mount | str], kind: str) -> Mount:
-    m = mounts[kind]
-    if isinstance(m, str):
-        pytest.skip(f"cannot mount {kind} here: {m}")
-    return m
-
-
 @pytest.fixture(params=KINDS)
 def fs(request: pytest.FixtureRequest, mounts: dict[str, Mount | str]) -> Iterator[Mount]:
     """Each small file system in turn; left writable, freed and empty afterwards."""
@@ -56,12 +46,6 @@ def fs(request: pytest.FixtureRequest, mounts: dict[str, Mount | str]) -> Iterat
         yield m
     finally:
         m.clean()
-
-
-def reshard(*args: object, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    """`reshard ARGS` in a fresh interpreter (so a signal would show as a negative return code)."""
-    return subprocess.run([sys.executable, "-m", "reshard.cli", *map(str, args)], capture_output=True,
-                          text=True, timeout=timeout, check=False)
 
 
 @pytest.fixture(scope="session")

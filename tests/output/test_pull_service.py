@@ -12,9 +12,8 @@ from typing import Any
 
 import httpx
 import pytest
-from _fs import Mount, leftovers, listing
+from _fs import KINDS, TP, Mount, get_mount, leftovers, listing, reshard
 from _live import CuttingProxy, LiveServer, live_server
-from conftest import KINDS, TP, get_mount, reshard
 from test_write_merge import RANK0, RANK1, assert_clean
 
 from reshard.writer import MANIFEST_NAME
@@ -95,7 +94,9 @@ def served_mount(request: pytest.FixtureRequest, mounts: dict[str, Any], ckpt: P
     svc = m.path / "svc"
     shutil.copytree(ckpt, svc / "root" / NAME)
     try:
-        with live_server(svc / "root", out=svc / "out", log_dir=tmp_path_factory.mktemp("svc-logs")) as srv:
+        # the job database stays off the small file system: an open database keeps it from being remounted ro
+        with live_server(svc / "root", out=svc / "out", log_dir=tmp_path_factory.mktemp("svc-logs"),
+                         state=tmp_path_factory.mktemp("svc-state")) as srv:
             yield m, srv
             assert srv.alive() and "Traceback" not in srv.log(), srv.log()
     finally:

@@ -16,8 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _fs import Mount, leftovers, listing
-from conftest import KINDS, TP, get_mount
+from _fs import KINDS, TP, Mount, get_mount, leftovers, listing
 from test_write_merge import RANK1
 
 from reshard.errors import NoSpaceError, OutputPathError, ReadOnlyError

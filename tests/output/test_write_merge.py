@@ -10,8 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from _fs import Mount, leftovers, listing, same_tree
-from conftest import TP, reshard
+from _fs import TP, Mount, leftovers, listing, reshard, same_tree
 
 from reshard.errors import NoSpaceError
 from reshard.plan import make_plan, rank_file_name
