@@ -28,7 +28,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from reshard.errors import RegistryError
-from reshard.tp import VocabParallelEmbedding
+from reshard.tp import VocabParallelEmbedding, reduce_from_tp_region
 
 Spec = dict[str, Any]
 
@@ -94,7 +94,7 @@ _Q_ATTRS = ("num_heads", "num_attention_heads")
 _KV_ATTRS = ("num_key_value_heads", "num_kv_heads")
 
 
-def _set_heads(module: nn.Module, ctx: Context) -> None:
+def _set_heads(module: nn.Module, ctx: Context, swapped: set[str]) -> None:
     heads = local_heads(module, ctx)
     if heads is None:
         return
@@ -103,6 +103,39 @@ def _set_heads(module: nn.Module, ctx: Context) -> None:
         for attr in attrs:
             if isinstance(getattr(module, attr, None), int):
                 setattr(module, attr, value)
+    if type(ctx.original).__name__ not in _ADJUSTMENTS:
+        _per_head_parameters(module, ctx, swapped)
+
+
+def _per_head_parameters(module: nn.Module, ctx: Context, swapped: set[str]) -> None:
+    """Replicated parameters applied to every local head (Qwen3's q_norm/k_norm over head_dim) get
+    their gradient summed over the ranks, which hold different heads; anything else applied to split
+    activations would be silently wrong, so it is an error naming the fix."""
+    for child_name, child in module.named_children():
+        full = f"{ctx.name}.{child_name}" if ctx.name else child_name
+        params = list(child.parameters())
+        if full in swapped or not params or any(n.startswith(f"{full}.") for n in swapped):
+            continue
+        if all(p.dim() == 1 and p.numel() == module.head_dim for p in params):
+            setattr(child, GRAD_SUM, ctx.group)
+            continue
+        raise RegistryError(
+            f"{full}: {type(child).__name__} (parameter shapes {[list(p.shape) for p in params]}) acts on "
+            f"split attention heads of {type(ctx.original).__name__}, which reshard cannot adjust by itself; "
+            f"register one with @register_adjustment({type(ctx.original).__name__!r}) in reshard.trainer.adjust"
+        )
+
+
+GRAD_SUM = "_reshard_grad_sum_group"
+
+
+def install_gradient_sums(model: nn.Module) -> None:
+    """After materializing: hook the parameters marked above so their gradients are all-reduced."""
+    for module in model.modules():
+        if hasattr(module, GRAD_SUM):
+            group = getattr(module, GRAD_SUM)
+            for p in module.parameters(recurse=False):
+                p.register_hook(lambda g, group=group: reduce_from_tp_region(g.clone(), group))
 
 
 def _overrides_forward(module: nn.Module) -> bool:
@@ -116,7 +149,7 @@ def adjust(model: nn.Module, originals: dict[str, nn.Module], specs: dict[str, S
     for name, original in originals.items():
         current = model.get_submodule(name) if name else model
         ctx = Context(name, original, specs, group, model)
-        _set_heads(current, ctx)
+        _set_heads(current, ctx, swapped)
         fn = _ADJUSTMENTS.get(type(original).__name__)
         if fn is None and name in swapped and _overrides_forward(original):
             raise RegistryError(
@@ -167,9 +200,9 @@ def _scaled_embedding(module: nn.Module, ctx: Context) -> nn.Module | None:
         return None  # replicated: transformers' own module stays
     return ScaledVocabParallelEmbedding(
         module.num_embeddings, module.embedding_dim, padded_num_embeddings=module.padded_num_embeddings,
-        group=module.group, device="meta", dtype=module.weight.dtype,
+        padding_idx=module.padding_idx, group=module.group, device="meta", dtype=module.weight.dtype,
         embed_scale=float(ctx.original.scalar_embed_scale))
 
 
-__all__ = ["Context", "ScaledVocabParallelEmbedding", "adjust", "known_adjustments", "local_heads",
-           "register_adjustment"]
+__all__ = ["Context", "ScaledVocabParallelEmbedding", "adjust", "install_gradient_sums", "known_adjustments",
+           "local_heads", "register_adjustment"]

@@ -22,6 +22,7 @@ from reshard.shards import RANK_FILE
 from reshard.tp.comm import tp_rank, tp_world_size
 from reshard.tensors import TORCH_DTYPES
 from reshard.trainer.names import shard_targets
+from reshard.trainer.adjust import install_gradient_sums
 from reshard.trainer.fill import RankHeader, file_chunks, fill_parameters, read_header_from
 from reshard.trainer.hf import hf_config, init_buffers, meta_model, retie, tied_pair
 from reshard.trainer.parallel import parallelize
@@ -93,6 +94,7 @@ def build_model(
     retie(model, tied)
     fill_parameters(header, chunks, shard_targets(model, header.tensors), sha256=sha, leftover=leftover)
     init_buffers(model)
+    install_gradient_sums(model)
     model.rank_header = header  # what `save_rank_shard` describes the saved file with
     model.hf_config = config
     return model

@@ -125,7 +125,8 @@ def _row_layer(module: nn.Module, spec: Spec, group: ProcessGroup | None) -> nn.
 def _vocab_layer(module: nn.Module, spec: Spec, group: ProcessGroup | None) -> nn.Module:
     vocab, dim = spec["shape"]
     return VocabParallelEmbedding(vocab, dim, padded_num_embeddings=_local_rows(spec) * tp_world_size(group),
-                                  group=group, device="meta", dtype=module.weight.dtype)
+                                  padding_idx=getattr(module, "padding_idx", None), group=group, device="meta",
+                                  dtype=module.weight.dtype)
 
 
 def parallelize(model: nn.Module, specs: dict[str, Spec], *, group: ProcessGroup | None = None,
