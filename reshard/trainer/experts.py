@@ -5,9 +5,10 @@ Per expert, gate and up are split like column layers and down like a row layer (
 (`gate_up_proj` [E, 2I, H], `down_proj` [E, H, I]) shrink to this rank's [E, 2I/tp, H] and
 [E, H, I/tp] on the meta device; transformers' experts forward is unchanged: per expert, `chunk(2)`
 of the local gate|up gives the local gate and up, and the local down projection gives a partial sum.
-So the experts module's input enters the TP region (`copy_to_tp_region`: identity forward, gradient
-all-reduced) and its output is summed over ranks once (`reduce_from_tp_region`), after the routing
-weights and the scatter back to tokens, which are linear. The router stays replicated.
+So the experts module's inputs (hidden states and routing weights) enter the TP region
+(`copy_to_tp_region`: identity forward, gradient all-reduced, as each rank's is partial) and its output
+is summed over ranks once (`reduce_from_tp_region`), after the routing weights and the scatter back to
+tokens, which are linear. The router stays replicated.
 """
 
 from __future__ import annotations
@@ -54,7 +55,9 @@ def parallelize_experts(model: nn.Module, layout: Layout, specs: dict[str, Spec]
 
 def _enter_and_reduce(module: nn.Module, group: ProcessGroup | None) -> None:
     def enter(mod: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
-        return (copy_to_tp_region(args[0], group), *args[1:])
+        # hidden states and routing weights: each rank's gradient w.r.t. them is partial (summed here)
+        return tuple(copy_to_tp_region(a, group) if torch.is_tensor(a) and a.is_floating_point() else a
+                     for a in args)
 
     def leave(mod: nn.Module, args: tuple[Any, ...], out: torch.Tensor) -> torch.Tensor:
         return reduce_from_tp_region(out, group)

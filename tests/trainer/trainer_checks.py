@@ -107,10 +107,24 @@ def build_memory_job(rank: int, world_size: int, shard_dir: str) -> dict[str, in
 
     The kernel's peak-RSS counter is reset right before the build (`clear_refs` 5), so the peak is
     the build's own, not that of importing torch or joining the group. A tiny meta -> `to_empty`
-    first pays torch's one-time cost of that path (it imports sympy: ~40 MB, whatever the model).
+    first pays torch's one-time cost of that path (it imports sympy: ~40 MB, whatever the model), and
+    a tiny model of the same architecture transformers' import cost.
     """
+    import json
+
+    from reshard.trainer.hf import hf_config, init_buffers, meta_model
+
     torch.set_num_threads(1)
     torch.nn.Linear(2, 2, device="meta").to_empty(device="cpu")
+    # pay the one-time cost of importing transformers' modeling code for this model type (~100 MB of
+    # Python modules, whatever the model's size) with a 1-layer, 64-wide copy of the architecture
+    config = json.loads((Path(shard_dir) / "config.json").read_text())
+    tiny = meta_model(hf_config({**config, "num_hidden_layers": 1, "hidden_size": 64, "intermediate_size": 64,
+                                 "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                                 "vocab_size": 256}), dtype=torch.float32)
+    tiny.to_empty(device="cpu")
+    init_buffers(tiny)
+    del tiny
     gc.collect()
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
