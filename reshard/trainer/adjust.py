@@ -28,7 +28,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from reshard.errors import RegistryError
-from reshard.tp import VocabParallelEmbedding, reduce_from_tp_region
+from reshard.tp import VocabParallelEmbedding, reduce_from_tp_region, tp_world_size
 
 Spec = dict[str, Any]
 
@@ -111,6 +111,8 @@ def _per_head_parameters(module: nn.Module, ctx: Context, swapped: set[str]) -> 
     """Replicated parameters applied to every local head (Qwen3's q_norm/k_norm over head_dim) get
     their gradient summed over the ranks, which hold different heads; anything else applied to split
     activations would be silently wrong, so it is an error naming the fix."""
+    if tp_world_size(ctx.group) == 1:
+        return
     for child_name, child in module.named_children():
         full = f"{ctx.name}.{child_name}" if ctx.name else child_name
         params = list(child.parameters())

@@ -19,12 +19,12 @@ from reshard.errors import CheckpointError
 from reshard.format import CONFIG_NAME
 from reshard.plan import rank_file_name
 from reshard.shards import RANK_FILE
-from reshard.tp.comm import tp_rank, tp_world_size
 from reshard.tensors import TORCH_DTYPES
-from reshard.trainer.names import shard_targets
+from reshard.tp.comm import tp_rank, tp_world_size
 from reshard.trainer.adjust import install_gradient_sums
 from reshard.trainer.fill import RankHeader, file_chunks, fill_parameters, read_header_from
 from reshard.trainer.hf import hf_config, init_buffers, meta_model, retie, tied_pair
+from reshard.trainer.names import shard_targets
 from reshard.trainer.parallel import parallelize
 from reshard.writer import MANIFEST_NAME
 

@@ -71,7 +71,12 @@ def _concat_dim(converter: Any) -> int | None:
 def shard_layout(model: nn.Module, names: list[str]) -> Layout:
     """Where each shard tensor goes in `model` (names the model has under a new name are renamed)."""
     from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import WeightConverter, WeightRenaming, apply_renamings, rename_source_key
+    from transformers.core_model_loading import (
+        WeightConverter,
+        WeightRenaming,
+        apply_renamings,
+        rename_source_key,
+    )
 
     own = set(model.state_dict(keep_vars=True)) | {n for n, _ in model.named_parameters()}
     transforms = get_model_conversion_mapping(model)

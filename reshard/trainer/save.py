@@ -11,8 +11,8 @@ from torch import nn
 from reshard.format import CONFIG_NAME, DTYPE_SIZES, encode_header
 from reshard.plan import data_order, rank_file_name, rank_metadata
 from reshard.tensors import DTYPE_NAMES
-from reshard.trainer.names import shard_targets
 from reshard.trainer.fill import RankHeader, byte_view
+from reshard.trainer.names import shard_targets
 from reshard.writer import MANIFEST_NAME, atomic_file, write_json_atomic
 
 
