@@ -28,7 +28,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from reshard.errors import RegistryError
-from reshard.tp import VocabParallelEmbedding, reduce_from_tp_region, tp_world_size
+from reshard.tp import VocabParallelEmbedding, copy_to_tp_region, reduce_from_tp_region, tp_world_size
 
 Spec = dict[str, Any]
 
@@ -206,5 +206,54 @@ def _scaled_embedding(module: nn.Module, ctx: Context) -> nn.Module | None:
         embed_scale=float(ctx.original.scalar_embed_scale))
 
 
-__all__ = ["Context", "ScaledVocabParallelEmbedding", "adjust", "install_gradient_sums", "known_adjustments",
+class SplitWidthRMSNorm(nn.Module):
+    """An RMSNorm over the full q (or k) width, applied to this rank's heads only (OLMo-2, OLMoE).
+
+    The mean of squares is all-reduced over the ranks (forward and backward: every rank normalizes
+    with it); ranks sharing a kv head each count it, so the sum is divided by tp x local width, which is
+    the global width times the replication. The weight stays whole and replicated under its own name;
+    each rank uses the columns of its heads (`cols`, from the projection's selection) and its gradient
+    is summed over the ranks.
+    """
+
+    def __init__(self, norm: nn.Module, cols: list[tuple[int, int]], group: ProcessGroup | None, *,
+                 cast_then_scale: bool) -> None:
+        super().__init__()
+        self.weight, self.variance_epsilon = norm.weight, norm.variance_epsilon
+        self.cols, self.group, self.cast_then_scale = cols, group, cast_then_scale
+        self.tp = tp_world_size(group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype, h = x.dtype, x.to(torch.float32)
+        squares = copy_to_tp_region(reduce_from_tp_region(h.pow(2).sum(-1, keepdim=True), self.group), self.group)
+        h = h * torch.rsqrt(squares / (self.tp * h.shape[-1]) + self.variance_epsilon)
+        w = copy_to_tp_region(self.weight, self.group)
+        w = torch.cat([w[a:b] for a, b in self.cols]) if len(self.cols) > 1 else w[self.cols[0][0] : self.cols[0][1]]
+        return w * h.to(dtype) if self.cast_then_scale else (w * h).to(dtype)
+
+
+def _split_width_norms(module: nn.Module, ctx: Context, *, cast_then_scale: bool) -> None:
+    if tp_world_size(ctx.group) == 1:
+        return
+    for norm, proj in (("q_norm", "q_proj"), ("k_norm", "k_proj")):
+        spec = ctx.spec(proj)
+        if spec is not None:
+            cols = [tuple(iv) for iv in spec["select"][0]]
+            setattr(module, norm, SplitWidthRMSNorm(getattr(module, norm), cols, ctx.group,
+                                                    cast_then_scale=cast_then_scale))
+
+
+@register_adjustment("Olmo2Attention")
+def _olmo2_attention(module: nn.Module, ctx: Context) -> None:
+    """OLMo-2 normalizes q and k over all heads' width before splitting them into heads."""
+    _split_width_norms(module, ctx, cast_then_scale=False)
+
+
+@register_adjustment("OlmoeAttention")
+def _olmoe_attention(module: nn.Module, ctx: Context) -> None:
+    """OLMoE: as OLMo-2, its RMSNorm casting before the weight."""
+    _split_width_norms(module, ctx, cast_then_scale=True)
+
+
+__all__ = ["Context", "ScaledVocabParallelEmbedding", "SplitWidthRMSNorm", "adjust", "install_gradient_sums", "known_adjustments",
            "local_heads", "register_adjustment"]

@@ -34,6 +34,7 @@ ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
     "gemma3_text": ("gemma3_text", {"head_dim": 16, "sliding_window": 8}),
     "phi3": ("phi3", {}),
     "olmo": ("olmo", {"clip_qkv": 0.8}),
+    "olmo2": ("olmo2", {}),
     "granite": ("granite", {"embedding_multiplier": 2.0, "residual_multiplier": 0.5, "logits_scaling": 4.0,
                             "attention_multiplier": 0.2}),
     "cohere": ("cohere", {}),
@@ -47,8 +48,9 @@ ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3_moe": ("qwen3_moe", {**MOE, "head_dim": 16}),
     "mixtral": ("mixtral", dict(MOE)),
     "qwen2_moe": ("qwen2_moe", {**MOE, "shared_expert_intermediate_size": 48}),
+    "olmoe": ("olmoe", dict(MOE)),
 }
-MOE_ARCHS = ("qwen3_moe", "mixtral", "qwen2_moe")
+MOE_ARCHS = ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe")
 IDS = torch.randint(0, 301, (2, 12), generator=torch.Generator().manual_seed(5))
 IDS[0, :3] = torch.tensor([0, 300, 228])  # the first and last rows, and the last partition at tp=4
 

@@ -12,8 +12,8 @@ from archs import ARCHS, IDS, make_checkpoint
 
 from reshard.cli import main as reshard_cli
 
-TP4 = ("llama", "phi3", "qwen3", "mixtral")  # kv heads 2 < tp 4: replicated kv heads (dense, packed, MoE)
-GRADS = ("llama", "phi3", "qwen3", "gpt_neox")  # gradients compared element by element
+TP4 = ("llama", "phi3", "qwen3", "mixtral", "olmo2")  # kv heads 2 < tp 4: replicated kv heads (dense, packed, MoE)
+GRADS = ("llama", "phi3", "qwen3", "gpt_neox", "olmo2")  # gradients compared element by element
 
 
 def write_shards(src: Path, tp: int, out: Path) -> Path:
