@@ -1,6 +1,6 @@
 """Which transformers architectures the bundled TP trainer supports: `python -m bench.trainer_support`.
 
-For every architecture in `tests/trainer/archs.py` (and a few known to be refused), a tiny random
+For every architecture in `tests/trainer/archs.py`, a tiny random
 checkpoint is sharded at tp=2 and built by 2 real gloo ranks; the logits are compared with transformers'
 own single-process model (`from_pretrained` on the full checkpoint). Writes
 `bench/results/trainer_support.json`: per model_type, supported or not, the max abs logit difference,
@@ -19,7 +19,6 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "bench" / "results" / "trainer_support.json"
-REFUSED: dict[str, tuple[str, dict]] = {}  # architectures expected to be refused, to record their error
 TP = 2
 
 
@@ -50,7 +49,6 @@ def main() -> int:
     from reshard.cli import main as reshard_cli
 
     transformers.logging.set_verbosity_error()
-    archs.ARCHS.update(REFUSED)
     with tempfile.TemporaryDirectory() as tmp:
         cases, refs = {}, {}
         for name in archs.ARCHS:

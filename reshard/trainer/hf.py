@@ -73,10 +73,8 @@ def init_buffers(model: nn.Module) -> None:
     transformers' guarded init functions leave it alone; modules of ours with buffers of their own
     recompute them in `reset_buffers()`.
     """
-    for t in model.state_dict(keep_vars=True).values():
+    for t in model.state_dict(keep_vars=True).values():  # every parameter and persistent buffer
         t._is_hf_initialized = True
-    for p in model.parameters():
-        p._is_hf_initialized = True
     model.initialize_weights()
     for module in model.modules():
         reset = getattr(module, "reset_buffers", None)

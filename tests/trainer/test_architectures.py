@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from archs import ARCHS, IDS, MOE_ARCHS
+from archs import ARCHS, IDS, MOE_ARCHS, hf_config
 from conftest import GRADS, TP4
 from safetensors.torch import load_file
 from trainer_checks import arch_job, global_slice, run_distributed
@@ -77,13 +77,7 @@ def test_the_model_is_transformers_own_class(tp_runs: Any) -> None:
     import transformers
 
     for name, cls in tp_runs(2)[0]["classes"].items():
-        assert cls == transformers.AutoModelForCausalLM._model_mapping[type(_config(name))].__name__, name
-
-
-def _config(name: str) -> Any:
-    from archs import hf_config
-
-    return hf_config(name)
+        assert cls == transformers.AutoModelForCausalLM._model_mapping[type(hf_config(name))].__name__, name
 
 
 @pytest.mark.parametrize("tp", [2, 4])
