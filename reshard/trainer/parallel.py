@@ -117,8 +117,9 @@ def _packed_layer(module: nn.Module, spec: Spec, group: ProcessGroup | None) -> 
 @register_layer("row")
 def _row_layer(module: nn.Module, spec: Spec, group: ProcessGroup | None) -> nn.Module:
     out, inn = spec["shape"]
-    return RowParallelLinear(inn, out, getattr(module, "bias", None) is not None, group=group,
-                             device="meta", dtype=module.weight.dtype)
+    split_input = bool((spec.get("options") or {}).get("split_input"))  # HF `rowwise_split_input`: full input
+    return RowParallelLinear(inn, out, getattr(module, "bias", None) is not None, input_is_parallel=not split_input,
+                             group=group, device="meta", dtype=module.weight.dtype)
 
 
 @register_layer("vocab_embed")

@@ -33,6 +33,7 @@ ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
     "gemma2": ("gemma2", {"head_dim": 16, "sliding_window": 8}),
     "gemma3_text": ("gemma3_text", {"head_dim": 16, "sliding_window": 8}),
     "phi3": ("phi3", {}),
+    "phi3_hf_plan": ("phi3", {}),  # transformers' own Phi-3 plan: gathered qkv/gate_up, split row inputs
     "olmo": ("olmo", {"clip_qkv": 0.8}),
     "olmo2": ("olmo2", {}),
     "granite": ("granite", {"embedding_multiplier": 2.0, "residual_multiplier": 0.5, "logits_scaling": 4.0,
@@ -73,8 +74,18 @@ def make_checkpoint(name: str, out: Path, *, seed: int = 1) -> Path:
         for p in model.parameters():
             p.normal_(0.0, 0.1) if p.dim() > 1 else p.uniform_(0.5, 1.5)
     model.save_pretrained(out)
-    (out / "reshard-rules.yaml").write_text(yaml.safe_dump({"rules": rules(config)}, sort_keys=False))
+    chosen = HF_STYLE_RULES if name == "phi3_hf_plan" else rules(config)
+    (out / "reshard-rules.yaml").write_text(yaml.safe_dump({"rules": chosen}, sort_keys=False))
     return out
+
+
+# Phi3Config.base_model_tp_plan: colwise_gather_output (qkv_proj, gate_up_proj), rowwise_split_input
+HF_STYLE_RULES = [
+    {"regex": r".*\.(qkv_proj|gate_up_proj)\.weight", "kind": "column", "gather_output": True},
+    {"regex": r".*\.(o_proj|down_proj)\.weight", "kind": "row", "split_input": True},
+    {"regex": r".*embed_tokens\.weight", "kind": "vocab_embed", "pad": True},
+    {"regex": r"lm_head\.weight", "kind": "column", "pad": True, "gather_output": True},
+]
 
 
 def rules(config: Any) -> list[dict[str, Any]]:
