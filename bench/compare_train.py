@@ -1,4 +1,5 @@
-"""Comparison 4: trainer start-up at tp=2, shards pulled from `reshard serve` vs read from local files.
+"""Comparison 4: trainer start-up at tp=2, shards pulled from `reshard serve` vs read from local files
+(and, with RESHARD_RETIRED_TREE set to a source tree of the retired hand-written model, vs that model).
 
 `torchrun --nproc-per-node 2 -m reshard.train --steps 1` with `RESHARD_T0` set at launch, so the
 trainer's `time_to_first_step_s` counts from launch (it includes interpreter and torch start-up,
@@ -55,7 +56,10 @@ def expected_bytes(src: Path, tp: int) -> dict[str, Any]:
             "full": ckpt.total_bytes()}
 
 
-def train_case(name: str, shards: str, work: Path, base_url: str | None) -> Case:
+RETIRED_ENV = "RESHARD_RETIRED_TREE"  # a source tree of the retired hand-written trainer (see run_train)
+
+
+def train_case(name: str, shards: str, work: Path, base_url: str | None, *, pythonpath: str | None = None) -> Case:
     metrics = work / f"metrics-{name}.json"
 
     def runner(case: Case) -> Result:
@@ -64,7 +68,7 @@ def train_case(name: str, shards: str, work: Path, base_url: str | None) -> Case
         before = bytes_served(base_url) if base_url else 0.0
         argv = [torchrun(), "--nproc-per-node", str(TP), "--master-addr", "127.0.0.1", "--master-port",
                 str(free_port()), "-m", "reshard.train", "--shards", shards, "--metrics", str(metrics), *TRAIN_ARGS]
-        env = {"RESHARD_T0": repr(time.time()), "OMP_NUM_THREADS": "1"}
+        env = {"RESHARD_T0": repr(time.time()), "OMP_NUM_THREADS": "1", **({"PYTHONPATH": pythonpath} if pythonpath else {})}
         res = run_command(case.name, argv, env=env, watch=case.watch() if case.watch else None, timeout=900)
         m = json.loads(metrics.read_text())
         served = (bytes_served(base_url) - before) if base_url else None
@@ -79,8 +83,9 @@ def train_case(name: str, shards: str, work: Path, base_url: str | None) -> Case
                 "process_wall_s": d["process_wall_s"],
                 "shard_bytes_per_rank": m["shard_bytes_per_rank"], "bytes_served_by_service": d["served"]}
 
+    model = f", retired hand-written model from {pythonpath}" if pythonpath else ", transformers' own model"
     return Case(name, [torchrun(), "-m", "reshard.train", "--shards", shards, *TRAIN_ARGS], runner=runner, extra=extra,
-                note=f"torchrun --nproc-per-node {TP}, shards from {'the service' if base_url else 'local files'}")
+                note=f"torchrun --nproc-per-node {TP}, shards from {'the service' if base_url else 'local files'}{model}")
 
 
 def prewarm(base: str, shards: Path) -> None:
@@ -111,6 +116,9 @@ def run_train(src: Path, work: Path, *, full: bool, reps: int) -> list[dict[str,
         cases = [train_case("disk", str(shards), work, None),
                  train_case("http", f"{base}/v1/checkpoints/{NAME}", work, base)]
         cases[1].watch = lambda: {"server": srv.pid}
+        retired = os.environ.get(RETIRED_ENV)  # e.g. `git archive 27e0a50 | tar -x -C /tmp/retired`
+        if retired:
+            cases.append(train_case("disk-retired", str(shards), work, None, pythonpath=retired))
         if not full:
             prewarm(base, shards)
         # quick mode: the explicit pre-warm above replaces a warm-up round of two ~20 s trainer runs
@@ -125,6 +133,10 @@ def run_train(src: Path, work: Path, *, full: bool, reps: int) -> list[dict[str,
     loads = [(h["load_s"], d["load_s"]) for h, d in zip(res["cases"]["http"]["runs"], res["cases"]["disk"]["runs"])]
     res["ratio_time_to_first_step"] = sorted(a / b for a, b in ttfs)[len(ttfs) // 2]
     res["ratio_load"] = sorted(a / b for a, b in loads)[len(loads) // 2]
+    if "disk-retired" in res["cases"]:  # the transformers model path vs the retired hand-written model
+        pairs = zip(res["cases"]["disk"]["runs"], res["cases"]["disk-retired"]["runs"])
+        res["ratio_time_to_first_step_vs_retired"] = sorted(
+            a["time_to_first_step_s"] / b["time_to_first_step_s"] for a, b in pairs)[len(ttfs) // 2]
     http_runs = res["cases"]["http"]["runs"]
     per_rank = http_runs[-1]["shard_bytes_per_rank"]
     res["bytes"] = {

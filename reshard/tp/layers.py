@@ -254,7 +254,8 @@ class VocabParallelEmbedding(_TPModule):
     (`reduce_from_tp_region`), so every rank returns the full embedding. Ids must lie in
     [0, num_embeddings); no bounds check is made (that would need a host sync).
     With `padded_num_embeddings` the global table was padded with zero rows up to a multiple of tp
-    and each rank holds `padded_num_embeddings / tp` rows.
+    and each rank holds `padded_num_embeddings / tp` rows. `padding_idx` (global) gets no gradient,
+    as in nn.Embedding.
     """
 
     def __init__(
@@ -263,6 +264,7 @@ class VocabParallelEmbedding(_TPModule):
         embedding_dim: int,
         *,
         padded_num_embeddings: int | None = None,
+        padding_idx: int | None = None,
         group: ProcessGroup | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
@@ -270,12 +272,15 @@ class VocabParallelEmbedding(_TPModule):
         super().__init__(group)
         name = type(self).__name__
         total = _padded_total(name, "num_embeddings", num_embeddings, padded_num_embeddings, self.tp)
+        self.padding_idx = padding_idx
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
         self.padded_num_embeddings = total
         self.local_num_embeddings = total // self.tp
         self.vocab_start_index = self.rank * self.local_num_embeddings
         self.vocab_end_index = self.vocab_start_index + self.local_num_embeddings
+        inside = padding_idx is not None and self.vocab_start_index <= padding_idx < self.vocab_end_index
+        self.local_padding_idx = padding_idx - self.vocab_start_index if inside else None
         self._make_parameters((self.local_num_embeddings, embedding_dim), None, device, dtype)
 
     def reset_parameters(self) -> None:
@@ -287,10 +292,10 @@ class VocabParallelEmbedding(_TPModule):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp == 1:
-            return F.embedding(ids, self.weight)
+            return F.embedding(ids, self.weight, self.local_padding_idx)
         outside = (ids < self.vocab_start_index) | (ids >= self.vocab_end_index)
         local_ids = (ids - self.vocab_start_index).masked_fill(outside, 0)
-        out = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        out = F.embedding(local_ids, self.weight, self.local_padding_idx).masked_fill(outside.unsqueeze(-1), 0.0)
         return reduce_from_tp_region(out, self.group)
 
     def extra_repr(self) -> str:

@@ -1,8 +1,8 @@
-"""The bundled meta-device TP trainer: a Llama-family model, built per rank from its rank shard.
+"""The bundled meta-device TP trainer: the checkpoint's own transformers model, built per rank from its shard.
 
     from reshard.trainer import build_model
     model = build_model("shards/", device="cpu")      # or "http://HOST:PORT/v1/checkpoints/NAME"
-    logits = model(input_ids)                          # full vocabulary, the same on every rank
+    logits = model(input_ids=ids).logits               # full vocabulary, the same on every rank
 """
 
 from reshard.trainer.build import build_model

@@ -1,4 +1,4 @@
-"""`build_model`: meta device -> parallelize -> to_empty -> fill from this rank's shard.
+"""`build_model`: the checkpoint's own transformers model on meta -> parallelize -> to_empty -> fill.
 
 The source is a directory written by `reshard write` (or saved by the trainer), or the service's URL
 for a checkpoint (`http://HOST:PORT/v1/checkpoints/NAME`): then only this rank's shard is pulled,
@@ -19,9 +19,12 @@ from reshard.errors import CheckpointError
 from reshard.format import CONFIG_NAME
 from reshard.plan import rank_file_name
 from reshard.shards import RANK_FILE
+from reshard.tensors import TORCH_DTYPES
 from reshard.tp.comm import tp_rank, tp_world_size
+from reshard.trainer.adjust import install_gradient_sums
 from reshard.trainer.fill import RankHeader, file_chunks, fill_parameters, read_header_from
-from reshard.trainer.model import LlamaForCausalLM, ModelConfig
+from reshard.trainer.hf import hf_config, init_buffers, meta_model, retie, tied_pair
+from reshard.trainer.names import shard_targets
 from reshard.trainer.parallel import parallelize
 from reshard.writer import MANIFEST_NAME
 
@@ -68,26 +71,42 @@ def _no_config(what: str, need_config: bool) -> None:
         raise CheckpointError(f"{what}; the trainer needs one")
 
 
+def stored_dtype(header: RankHeader) -> torch.dtype:
+    """The floating dtype holding most of the shard's bytes (what `--dtype keep` trains in)."""
+    sizes: dict[str, int] = {}
+    for e in header.entries.values():
+        sizes[e["dtype"]] = sizes.get(e["dtype"], 0) + e["data_offsets"][1] - e["data_offsets"][0]
+    floats = {d: n for d, n in sizes.items() if TORCH_DTYPES[d].is_floating_point}
+    return TORCH_DTYPES[max(floats, key=floats.get)] if floats else torch.float32
+
+
 def build_model(
     source: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
-    group: ProcessGroup | None = None, token: str | None = None,
-) -> LlamaForCausalLM:
-    """This rank's TP model (tp = the group's world size), filled from its rank shard of `source`."""
+    group: ProcessGroup | None = None, token: str | None = None, attn_implementation: str | None = None,
+) -> torch.nn.Module:
+    """This rank's TP model (tp = the group's world size), filled from its rank shard of `source`.
+
+    The model is transformers' own class for config.json's `model_type` (`AutoModelForCausalLM`),
+    built on the meta device, its layers swapped by the kinds the shard describes, materialized with
+    `to_empty` and filled straight from the shard's bytes; `dtype` defaults to the stored one.
+    """
     tp, rank = tp_world_size(group), tp_rank(group)
     config, chunks, sha, name = open_rank_stream(source, rank, tp, token=token)
     header, leftover = read_header_from(chunks, name)
     if (header.tp, header.rank) != (tp, rank):
         raise CheckpointError(f"{name}: is rank {header.rank} of tp={header.tp}, expected {rank} of {tp}")
-    model = LlamaForCausalLM(ModelConfig.from_hf(config), device="meta")
-    if dtype is not None:
-        model.to(dtype)
-    parallelize(model, header.tensors, group=group,
-                tied=("lm_head", "model.embed_tokens") if model.config.tie_word_embeddings else None)
+    model = meta_model(hf_config(config), dtype=dtype or stored_dtype(header),
+                       attn_implementation=attn_implementation)
+    tied = tied_pair(model)
+    parallelize(model, header.tensors, group=group, tied=tied)
     model.to_empty(device=device)
-    model.tie_weights()
+    retie(model, tied)
+    fill_parameters(header, chunks, shard_targets(model, header.tensors), sha256=sha, leftover=leftover,
+                    keep=dtype is None)
+    init_buffers(model)
+    install_gradient_sums(model)
     model.rank_header = header  # what `save_rank_shard` describes the saved file with
     model.hf_config = config
-    fill_parameters(header, chunks, dict(model.named_parameters()), sha256=sha, leftover=leftover, keep=dtype is None)
     return model
 
 

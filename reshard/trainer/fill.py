@@ -83,7 +83,8 @@ def fill_parameters(
     missing = sorted(set(targets) - set(header.entries))
     extra = sorted(set(header.entries) - set(targets) - quant.companions)
     if missing or extra:
-        raise PlanError(f"{header.source}: shard and model disagree: missing {missing[:3]}, unexpected {extra[:3]}")
+        raise PlanError(f"{header.source}: shard and model disagree: the shard lacks {missing[:3]}, "
+                        f"the model lacks {extra[:3]}")
     sha = hashlib.sha256(header.raw) if sha256 else None
     plans = []
     for name, e in order:
@@ -136,13 +137,19 @@ def _copy(header: RankHeader, plans: list[tuple[str, torch.Tensor, torch.dtype, 
             if direct:
                 partial[:] = [name]
         if not direct:
-            with torch.no_grad():
-                for target, value in quant.feed(name, staging):  # an FP8 weight: dequantized
-                    targets[target].copy_(value)
+            for target, value in quant.feed(name, staging):  # an FP8 weight: dequantized
+                into(targets[target], value, name=target)
         done.append(name)
     # exhaust the stream (an HTTP client verifies its digest at the end); nothing may follow
     if len(pending) or any(len(c) for c in it):
         raise IntegrityError(f"{header.source}: bytes after the last tensor")
+
+
+def into(target: torch.Tensor, staged: torch.Tensor, *, name: str) -> None:
+    """The one place where a shard tensor's bytes (`staged`, as stored) become the target's value:
+    dtype cast and device copy. A dequantizing kind hooks in here."""
+    with torch.no_grad():
+        target.copy_(staged)
 
 
 def file_chunks(path: Path, chunk: int = 8 << 20) -> Iterator[bytes]:

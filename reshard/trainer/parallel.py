@@ -19,6 +19,9 @@ from torch.distributed import ProcessGroup
 from reshard.loaders import layer_factory, register_layer, selection_shape
 from reshard.tp import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, copy_to_tp_region
 from reshard.tp.comm import tp_rank, tp_world_size
+from reshard.trainer.adjust import adjust
+from reshard.trainer.experts import parallelize_experts
+from reshard.trainer.names import shard_layout
 
 Spec = dict[str, Any]
 
@@ -114,38 +117,50 @@ def _packed_layer(module: nn.Module, spec: Spec, group: ProcessGroup | None) -> 
 @register_layer("row")
 def _row_layer(module: nn.Module, spec: Spec, group: ProcessGroup | None) -> nn.Module:
     out, inn = spec["shape"]
-    return RowParallelLinear(inn, out, getattr(module, "bias", None) is not None, group=group,
-                             device="meta", dtype=module.weight.dtype)
+    split_input = bool((spec.get("options") or {}).get("split_input"))  # HF `rowwise_split_input`: full input
+    return RowParallelLinear(inn, out, getattr(module, "bias", None) is not None, input_is_parallel=not split_input,
+                             group=group, device="meta", dtype=module.weight.dtype)
 
 
 @register_layer("vocab_embed")
 def _vocab_layer(module: nn.Module, spec: Spec, group: ProcessGroup | None) -> nn.Module:
     vocab, dim = spec["shape"]
     return VocabParallelEmbedding(vocab, dim, padded_num_embeddings=_local_rows(spec) * tp_world_size(group),
-                                  group=group, device="meta", dtype=module.weight.dtype)
+                                  padding_idx=getattr(module, "padding_idx", None), group=group, device="meta",
+                                  dtype=module.weight.dtype)
 
 
 def parallelize(model: nn.Module, specs: dict[str, Spec], *, group: ProcessGroup | None = None,
                 tied: tuple[str, str] | None = None) -> nn.Module:
-    """Swap every module whose `.weight` has a non-replicate kind in `specs` (name -> self-description).
+    """Swap every module whose `.weight` has a non-replicate kind in `specs` (shard name ->
+    self-description; names on disk, mapped to the model's by `shard_layout`), parallelize fused MoE
+    experts, then adjust what the forward reads from global sizes (`adjust`).
 
     `tied=(head, embedding)` names an output head that shares the embedding's weight and so has no
     entry of its own: it becomes a gathered column-parallel layer split like the embedding.
+    Works on a model built on the meta device; nothing is allocated.
     """
     token = _SHARE_GROUPS.set({})
     try:
-        return _parallelize(model, specs, group, tied)
+        originals = dict(model.named_modules())
+        layout = shard_layout(model, list(specs))
+        by_model_name = layout.model_specs(specs)
+        swapped = _swap(model, by_model_name, group, tied)
+        parallelize_experts(model, layout, specs, group)
+        adjust(model, originals, by_model_name, group, swapped)
+        return model
     finally:
         _SHARE_GROUPS.reset(token)
 
 
-def _parallelize(model: nn.Module, specs: dict[str, Spec], group: ProcessGroup | None,
-                 tied: tuple[str, str] | None) -> nn.Module:
+def _swap(model: nn.Module, specs: dict[str, Spec], group: ProcessGroup | None,
+          tied: tuple[str, str] | None) -> set[str]:
     specs = dict(specs)
     if tied and f"{tied[0]}.weight" not in specs and f"{tied[1]}.weight" in specs:
         emb = specs[f"{tied[1]}.weight"]
         if emb["kind"] != "replicate":
             specs[f"{tied[0]}.weight"] = {**emb, "kind": "column", "options": {"gather_output": True}}
+    swapped = set()
     for name, module in list(model.named_modules()):
         spec = specs.get(f"{name}.weight")
         if spec is None or not isinstance(module, nn.Linear | nn.Embedding):
@@ -155,4 +170,5 @@ def _parallelize(model: nn.Module, specs: dict[str, Spec], group: ProcessGroup |
             continue
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, factory(module, spec, group))
-    return model
+        swapped.add(name)
+    return swapped

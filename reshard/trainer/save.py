@@ -8,12 +8,12 @@ from pathlib import Path
 
 from torch import nn
 
-from reshard.errors import PlanError
 from reshard.format import CONFIG_NAME, DTYPE_SIZES, encode_header
 from reshard.outfs import check_space, output_errors, prepare_dir
 from reshard.plan import data_order, rank_file_name, rank_metadata
 from reshard.tensors import DTYPE_NAMES
 from reshard.trainer.fill import RankHeader, byte_view
+from reshard.trainer.names import shard_targets
 from reshard.writer import MANIFEST_NAME, atomic_file, write_json_atomic
 
 RETRY = "train (or save) again"
@@ -22,15 +22,12 @@ RETRY = "train (or save) again"
 def save_rank_shard(model: nn.Module, out_dir: str | Path, *, config: dict | None = None) -> Path:
     """Write `rank-R-of-T.safetensors` for this rank into `out_dir` (atomically), one tensor at a time.
 
-    The file describes itself exactly as the shard the model was built from did, so `reshard merge`
+    The file describes itself exactly as the shard the model was built from did, under the same names
+    (per-expert MoE tensors are read back out of transformers' fused parameters), so `reshard merge`
     and `reshard write` read it with nothing else at hand. Rank 0 also writes config.json.
     """
     header: RankHeader = model.rank_header
-    params = dict(model.named_parameters())
-    missing = sorted(set(header.tensors) - set(params))
-    if missing:
-        raise PlanError(f"model has no parameters for {missing[:3]} described by its shard")
-    tensors = {name: params[name].detach() for name in header.tensors}
+    tensors = {name: t.detach() for name, t in shard_targets(model, header.tensors).items()}
     order = sorted(tensors, key=lambda n: data_order(n, DTYPE_NAMES[tensors[n].dtype]))
     entries, pos = [], 0
     for name in order:

@@ -19,7 +19,6 @@ from reshard.merge import merge
 from reshard.plan import rank_file_name
 from reshard.synth import llama_config
 from reshard.trainer import build_model, save_rank_shard
-from reshard.trainer.model import LlamaForCausalLM, ModelConfig
 
 
 def test_service_streams_fp8_shards_byte_identical_to_write(ckpts: Path, shards: Any, tmp_path: Path) -> None:
@@ -67,7 +66,7 @@ def _logits_job(rank: int, world_size: int, dirs: dict[str, str], ids: torch.Ten
         for dtype in (torch.float32, torch.bfloat16):
             model = build_model(path, dtype=dtype).eval()
             with torch.no_grad():
-                out[(name, str(dtype))] = model(ids).float()
+                out[(name, str(dtype))] = model(input_ids=ids).logits.float()
         if "fp8" in name:
             try:
                 build_model(path)  # keep: FP8 as stored
@@ -80,11 +79,11 @@ def test_tp2_models_from_fp8_match_the_dequantized_checkpoint(train_dirs: dict[s
     dirs = {f"{s}-{k}": str(train_dirs[f"{s}-{k}-tp2"]) for s in TRAIN_QCS for k in ("fp8", "deq")}
     ranks = run_distributed(_logits_job, 2, dirs, IDS, timeout=300)
     for scheme in TRAIN_QCS:
-        state = load_file(train_dirs[scheme] / "model.safetensors")
-        reference = LlamaForCausalLM(ModelConfig.from_hf(TRAIN_CONFIG))
-        reference.load_state_dict(state, strict=True)
+        from transformers import AutoModelForCausalLM  # the unsharded model of the dequantized checkpoint
+
+        reference = AutoModelForCausalLM.from_pretrained(train_dirs[scheme], dtype=torch.float32)
         with torch.no_grad():
-            unsharded = reference.eval()(IDS)
+            unsharded = reference.eval()(input_ids=IDS).logits
         assert unsharded.abs().max() > 0.1
         for got in ranks:
             fp32, deq32 = got[(f"{scheme}-fp8", "torch.float32")], got[(f"{scheme}-deq", "torch.float32")]

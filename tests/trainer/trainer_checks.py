@@ -29,6 +29,7 @@ from _dist import run_distributed  # noqa: E402
 from reshard.errors import ReshardError  # noqa: E402
 from reshard.train import main as train_main  # noqa: E402
 from reshard.trainer import build_model, causal_lm_loss, save_rank_shard  # noqa: E402
+from reshard.trainer.names import shard_layout  # noqa: E402
 
 __all__ = ["run_distributed"]
 
@@ -39,17 +40,19 @@ PYTHON = sys.executable
 # --- inside the ranks ---------------------------------------------------------------------------
 
 
-def logits_job(
+def arch_job(
     rank: int, world_size: int, cases: dict[str, str], ids: torch.Tensor, save_root: str | None,
-    wrong_tp_dirs: list[str],
+    grad_cases: list[str], wrong_tp_dirs: list[str],
 ) -> dict[str, Any]:
-    """Build each case's model from its shard dir; return logits and loss; save shards if asked.
+    """Per case: build the model from its shard dir; logits, loss, local shapes; gradients for
+    `grad_cases`; save the (untrained) shards under `save_root`. Building from `wrong_tp_dirs` (shards
+    of another tp) must fail on every rank."""
+    import transformers
 
-    `wrong_tp_dirs` are shard dirs of another tp: building from them must fail on every rank.
-    """
+    transformers.logging.set_verbosity_error()
     torch.set_num_threads(1)
     out: dict[str, Any] = {"logits": {}, "loss": {}, "local_shapes": {}, "grads": {}, "selects": {}, "errors": {},
-                           "new_groups": {}}
+                           "new_groups": {}, "classes": {}}
     new_group = torch.distributed.new_group
     for name, shard_dir in cases.items():
         made: list[Any] = []
@@ -64,17 +67,19 @@ def logits_job(
         finally:
             torch.distributed.new_group = new_group
         out["new_groups"][name] = len(made)
+        out["classes"][name] = type(model).__name__
         model.eval()
         with torch.no_grad():
-            out["logits"][name] = model(ids)
+            out["logits"][name] = model(input_ids=ids).logits
         loss = causal_lm_loss(model, ids[:, :-1], ids[:, 1:])
-        loss.backward()
         out["loss"][name] = loss.item()
         params = dict(model.named_parameters())
         out["local_shapes"][name] = {k: tuple(p.shape) for k, p in params.items()}
-        out["grads"][name] = {k: p.grad.clone() for k, p in params.items()}
-        out["selects"][name] = {k: model.rank_header.tensors[k]["select"] for k in params}
-        model.zero_grad(set_to_none=True)
+        if name in grad_cases:
+            loss.backward()
+            out["grads"][name] = {k: p.grad.clone() for k, p in params.items()}
+            on_disk = {v: k for k, v in shard_layout(model, list(model.rank_header.tensors)).renamed.items()}
+            out["selects"][name] = {k: model.rank_header.tensors[on_disk[k]]["select"] for k in params}
         if save_root is not None:
             save_rank_shard(model, Path(save_root) / name, config=model.hf_config)
     for shard_dir in wrong_tp_dirs:
@@ -102,10 +107,24 @@ def build_memory_job(rank: int, world_size: int, shard_dir: str) -> dict[str, in
 
     The kernel's peak-RSS counter is reset right before the build (`clear_refs` 5), so the peak is
     the build's own, not that of importing torch or joining the group. A tiny meta -> `to_empty`
-    first pays torch's one-time cost of that path (it imports sympy: ~40 MB, whatever the model).
+    first pays torch's one-time cost of that path (it imports sympy: ~40 MB, whatever the model), and
+    a tiny model of the same architecture transformers' import cost.
     """
+    import json
+
+    from reshard.trainer.hf import hf_config, init_buffers, meta_model
+
     torch.set_num_threads(1)
     torch.nn.Linear(2, 2, device="meta").to_empty(device="cpu")
+    # pay the one-time cost of importing transformers' modeling code for this model type (~100 MB of
+    # Python modules, whatever the model's size) with a 1-layer, 64-wide copy of the architecture
+    config = json.loads((Path(shard_dir) / "config.json").read_text())
+    tiny = meta_model(hf_config({**config, "num_hidden_layers": 1, "hidden_size": 64, "intermediate_size": 64,
+                                 "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                                 "vocab_size": 256}), dtype=torch.float32)
+    tiny.to_empty(device="cpu")
+    init_buffers(tiny)
+    del tiny
     gc.collect()
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
