@@ -93,6 +93,12 @@ class Dequantizer:
                 "--dtype bfloat16 or float32 (build_model(dtype=...)) to dequantize it on fill"
             )
 
+    def check_keep(self) -> None:
+        """`--dtype keep` (build in the stored dtype) on a shard with FP8 weights: check_target's error,
+        before a model is built in a dtype torch cannot make default."""
+        for name in self.weights:
+            self.check_target(name, torch.empty(0, device="meta"), keep=True)
+
     def feed(self, name: str, value: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
         """What the tensor `name` (as read) puts into which parameter: itself, or a dequantized weight
         once both it and its scale are here; nothing for a companion."""

@@ -18,6 +18,7 @@ from torch.distributed import ProcessGroup
 from reshard.errors import CheckpointError
 from reshard.format import CONFIG_NAME
 from reshard.plan import rank_file_name
+from reshard.quant.dequant import Dequantizer
 from reshard.shards import RANK_FILE
 from reshard.tensors import TORCH_DTYPES
 from reshard.tp.comm import tp_rank, tp_world_size
@@ -95,13 +96,15 @@ def build_model(
     header, leftover = read_header_from(chunks, name)
     if (header.tp, header.rank) != (tp, rank):
         raise CheckpointError(f"{name}: is rank {header.rank} of tp={header.tp}, expected {rank} of {tp}")
+    if dtype is None:
+        Dequantizer(header.tensors, header.dtypes()).check_keep()
     model = meta_model(hf_config(config), dtype=dtype or stored_dtype(header),
                        attn_implementation=attn_implementation)
     tied = tied_pair(model)
     parallelize(model, header.tensors, group=group, tied=tied)
     model.to_empty(device=device)
     retie(model, tied)
-    fill_parameters(header, chunks, shard_targets(model, header.tensors), sha256=sha, leftover=leftover,
+    fill_parameters(header, chunks, shard_targets(model, header.model_tensors()), sha256=sha, leftover=leftover,
                     keep=dtype is None)
     init_buffers(model)
     install_gradient_sums(model)

@@ -36,6 +36,16 @@ class RankHeader:
             raise HeaderError(f"{source}: not a reshard rank file (no tp/rank/tensors metadata)") from None
 
 
+    def dtypes(self) -> dict[str, torch.dtype]:
+        return {k: TORCH_DTYPES[e["dtype"]] for k, e in self.entries.items()}
+
+    def model_tensors(self) -> dict[str, dict[str, Any]]:
+        """The self-description of the tensors that become model tensors: all but FP8 scales, which
+        the fill consumes while dequantizing their weights."""
+        companions = Dequantizer(self.tensors, self.dtypes()).companions
+        return {n: d for n, d in self.tensors.items() if n not in companions}
+
+
 def _data_end(raw: bytes) -> int:
     try:
         obj = json.loads(raw[8:])
@@ -79,7 +89,7 @@ def fill_parameters(
     into their parameters' dtype (`reshard.quant.dequant`); with `keep` they are an error instead.
     """
     order = sorted(header.entries.items(), key=lambda kv: kv[1]["data_offsets"][0])
-    quant = Dequantizer(header.tensors, {k: TORCH_DTYPES[e["dtype"]] for k, e in header.entries.items()})
+    quant = Dequantizer(header.tensors, header.dtypes())
     missing = sorted(set(targets) - set(header.entries))
     extra = sorted(set(header.entries) - set(targets) - quant.companions)
     if missing or extra:
