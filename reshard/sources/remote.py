@@ -247,7 +247,10 @@ def _boto3_provider() -> Any:
     except ImportError:
         return None
     session = boto3.Session()
-    return Boto3CredentialProvider(session) if session.get_credentials() is not None else None
+    if session.get_credentials() is None:  # boto3 walked the whole chain (env, profiles, metadata): nothing
+        raise StoreError("no AWS credentials found (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, a profile, or "
+                         "instance metadata); set them, or AWS_SKIP_SIGNATURE=true for a public bucket")
+    return Boto3CredentialProvider(session)
 
 
 _STORES: dict[tuple[str, tuple[str, ...]], Store] = {}
