@@ -5,8 +5,8 @@
     .venv/bin/python scripts/coverage_table.py --check   # exit 1 if README's table is not the recorded one
 
 Results: `tests/plans/results/coverage.json`, written by the plan tests when $RESHARD_COVERAGE_OUT
-names it. The trainer column reads `tests/plans/results/trainer-coverage.json` when it exists
-(`{"architectures": {"llama": "yes", ...}}`, each value shown as it is), else shows "-".
+names it. The trainer column reads `bench/results/trainer_support.json` (written by
+`python -m bench.trainer_support`: tp=2 logits of reshard's trainer vs `from_pretrained`), else shows "-".
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from _generated import write_or_check
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "tests/plans/results/coverage.json"
-TRAINER = ROOT / "tests/plans/results/trainer-coverage.json"
+TRAINER = ROOT / "bench/results/trainer_support.json"
 README = ROOT / "README.md"
 BEGIN, END = "<!-- plan-coverage:begin -->", "<!-- plan-coverage:end -->"
 
@@ -33,10 +33,12 @@ def _mark(value: object) -> str:
 
 def render(results: dict, trainer: dict | None) -> str:
     archs = results["architectures"]
-    trained = (trainer or {}).get("architectures", {})
+    trained = {name: ("yes" if r.get("supported") else "no") for name, r in (trainer or {}).get("model_types", {}).items()}
     lines = [
         f"Tested with transformers {results['transformers_version']}: each row is a tiny random model saved by "
-        f"`save_pretrained` (several files), resharded by `reshard write --tp 2` and `--tp 4` with no rules file.",
+        f"`save_pretrained` (several files), resharded by `reshard write --tp 2` and `--tp 4` with no rules file. "
+        f"trainer: reshard's trainer at tp=2 gives transformers' logits (`bench/results/trainer_support.json`; "
+        f"- = not tested).",
         "",
         "| model_type | MoE | planned from config.json | equal to transformers' TP, tp=2 | kv heads replicated, tp=4 | trainer |",
         "|---|---|---|---|---|---|",
