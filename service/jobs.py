@@ -121,6 +121,9 @@ class JobManager:
         if job is not None:
             return job
         record = self.store.get_job(job_id)
+        if record is not None and record["state"] in ("queued", "running"):
+            self._recover()  # its worker may have died since this one started (killed with the server)
+            record = self.store.get_job(job_id)
         if record is None:
             raise NotFoundError(f"no job {job_id!r} (the newest {self.max_kept} jobs are kept)")
         return Job.from_json(record)
@@ -128,6 +131,7 @@ class JobManager:
     def list_jobs(self) -> list[Job]:
         with self._lock:
             mine = dict(self._mine)
+        self._recover()  # jobs of workers that died since this one started are failed, not running
         return [mine.get(r["id"]) or Job.from_json(r) for r in self.store.list_jobs()]
 
     def counts(self) -> dict[str, int]:

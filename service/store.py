@@ -30,12 +30,13 @@ CREATE INDEX IF NOT EXISTS digests_seq ON digests (seq);
 
 
 def _start_time(pid: int) -> str | None:
-    """The process's start time in clock ticks since boot (field 22 of /proc/PID/stat); None if gone."""
+    """The process's start time in clock ticks since boot (field 22 of /proc/PID/stat); None if gone or dead."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    return stat.rsplit(")", 1)[1].split()[19]
+    fields = stat.rsplit(")", 1)[1].split()
+    return None if fields[0] in ("Z", "X") else fields[19]  # a zombie (killed, not yet reaped) is gone too
 
 
 def this_process() -> str:

@@ -173,6 +173,9 @@ def torch_tp_job(rank: int, world: int, case: dict[str, Any], server: str, tp4_d
 
     # a truncated stream: the error says which tensors were filled; check that against the bytes
     fresh = _torch_tp_llama(case["path"])
+    with torch.no_grad():  # memory left by `to_empty` may hold a freed model's equal values: poison it
+        for p in fresh.parameters():
+            (p.to_local() if hasattr(p, "to_local") else p).fill_(float("nan"))
     out["truncated"] = _error(lambda: reshard.fill_model(fresh, truncated)) if rank == 0 else ""
     if rank == 0:
         m = re.search(r"inside tensor (\S+);.* (\d+) of (\d+) tensors had been filled", out["truncated"])
