@@ -29,13 +29,12 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from reshard.errors import CheckpointError, PlanError
-from reshard.experts import ExpertView, checkpoint_renamer, expert_views, fused_rules
+from reshard.experts import Held, expert_views, partly_covered, shard_layout
 from reshard.tensors import TORCH_DTYPES
 from reshard.tp.comm import tp_rank, tp_world_size
 from reshard.trainer.build import open_rank_stream
 from reshard.trainer.fill import RankHeader, fill_parameters, read_header_from
 
-Held = tuple[tuple[int, ...] | None, ...]
 _LIST = 6  # names shown per list in an error
 
 
@@ -89,28 +88,26 @@ def match_targets(model: nn.Module, header: RankHeader) -> tuple[dict[str, torch
     """Shard tensor name -> the tensor its bytes go into (a DTensor's local tensor, or a view into a
     fused expert parameter), after every check; raises one `PlanError` listing every disagreement."""
     state = model.state_dict(keep_vars=True)  # parameters and persistent buffers, tied aliases included
-    rename = checkpoint_renamer(model)
-    as_model = {n: rename(n) for n in header.entries}  # shard (checkpoint) name -> the model's name for it
+    layout = shard_layout(model, list(header.entries))  # shard (checkpoint) name -> the model's name or Piece
     shapes = {n: tuple(e["shape"]) for n, e in header.entries.items()}
     described = {n: header.tensors.get(n, {}) for n in shapes}
     targets: dict[str, torch.Tensor] = {}
     problems: list[str] = []
     with torch.no_grad():
-        for n in sorted(n for n in shapes if as_model[n] in state):
-            p = state[as_model[n]]
+        for n in sorted(n for n, m in layout.renamed.items() if m in state):
+            p = state[layout.renamed[n]]
             targets[n] = _local(p)
             problems += _check(n, targets[n], _held(p), described[n], shapes[n], lambda p=p: _describe_param(p))
-        rest = {as_model[n]: n for n in shapes if n not in targets}
-        views = expert_views(state, {m: shapes[n] for m, n in rest.items()}, fused_rules(model), local=_local,
-                             held=_held, global_shapes={m: described[n].get("shape", shapes[n]) for m, n in rest.items()})
-        for m, v in views.items():
-            n = rest[m]
+        views = expert_views(state, layout.pieces, shapes, local=_local, held=_held,
+                             global_shapes={n: described[n].get("shape", shapes[n]) for n in layout.pieces})
+        for n, v in views.items():
             targets[n] = v.view
             problems += _check(n, v.view, v.held, described[n], shapes[n], lambda v=v: (
                 f"expert {v.expert} of {v.param}, a view of {_describe_param(state[v.param])}"))
-    covered = {id(state[v.param]) for v in views.values()} | {id(state[as_model[n]]) for n in targets if as_model[n] in state}
+    covered = {id(state[v.param]) for v in views.values()} | {id(state[m]) for n, m in layout.renamed.items()
+                                                               if n in targets}
     missing = sorted(n for n, t in state.items() if id(t) not in covered)  # a tied alias is covered by its twin
-    missing += _missing_experts(views, state)
+    missing += partly_covered(views)
     unexpected = sorted(shapes.keys() - targets.keys())
     if missing or unexpected:
         problems.insert(0, f"missing from the shard: {_names(missing)}; in the shard but not in the model: "
@@ -223,20 +220,6 @@ def _describe_shard(desc: dict[str, Any], shape: tuple[int, ...]) -> str:
                      if _merge(sel) != [(0, n)])
     options = f" {desc['options']}" if desc.get("options") else ""
     return f"kind {kind}{options} of global {list(gshape)}, holding {dims or 'all of it'}"
-
-
-def _missing_experts(views: dict[str, ExpertView], state: dict[str, torch.Tensor]) -> list[str]:
-    """Fused parameters that the shard's per-expert tensors cover only in part."""
-    seen: dict[str, set[tuple[int, int]]] = {}
-    for v in views.values():
-        seen.setdefault(v.param, set()).add((v.source, v.expert))
-    out = []
-    for param, got in seen.items():
-        experts = _held(state[param])[0] or tuple(range(_local(state[param]).shape[0]))
-        sources = next(v.sources for v in views.values() if v.param == param)
-        if len(got) != sources * len(experts):
-            out.append(f"{param} (the shard has {len(got)} of its {sources} x {len(experts)} per-expert tensors)")
-    return out
 
 
 def _names(names: Sequence[str]) -> str:

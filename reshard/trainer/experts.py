@@ -20,9 +20,9 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from reshard.errors import PlanError
+from reshard.experts import Layout
 from reshard.loaders import selection_shape
 from reshard.tp import copy_to_tp_region, reduce_from_tp_region
-from reshard.trainer.names import Layout
 
 Spec = dict[str, Any]
 

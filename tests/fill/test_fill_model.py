@@ -18,7 +18,7 @@ from safetensors import safe_open
 
 import reshard
 from reshard.errors import PlanError
-from reshard.experts import expert_views, fused_rules
+from reshard.experts import expert_views, shard_layout
 
 transformers = pytest.importorskip("transformers")
 
@@ -168,7 +168,7 @@ def test_expert_views_follow_transformers_conversion_mapping(fill_root: Path) ->
     with safe_open(str(fill_root / "moe" / "model.safetensors"), "pt") as f:
         ckpt = {k: f.get_tensor(k).float() for k in f.keys()}
     state = model.state_dict()
-    views = expert_views(state, {k: v.shape for k, v in ckpt.items()}, fused_rules(model))
+    views = expert_views(state, shard_layout(model, list(ckpt)).pieces, {k: v.shape for k, v in ckpt.items()})
     assert len(views) == 2 * 4 * 3
     for name, v in views.items():
         assert torch.equal(v.view, ckpt[name]), name

@@ -27,9 +27,9 @@ if _TESTS not in sys.path:  # `tests/_dist.py` is importable as `_dist` without 
 from _dist import run_distributed  # noqa: E402
 
 from reshard.errors import ReshardError  # noqa: E402
+from reshard.experts import shard_layout  # noqa: E402
 from reshard.train import main as train_main  # noqa: E402
 from reshard.trainer import build_model, causal_lm_loss, save_rank_shard  # noqa: E402
-from reshard.trainer.names import shard_layout  # noqa: E402
 
 __all__ = ["run_distributed"]
 
