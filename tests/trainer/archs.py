@@ -16,6 +16,8 @@ from typing import Any
 import torch
 import yaml
 
+from reshard.cli import main as reshard_cli
+
 SMALL = {"vocab_size": 301, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
          "num_attention_heads": 4, "num_key_value_heads": 2, "pad_token_id": 0, "bos_token_id": 1,
          "eos_token_id": 2, "max_position_embeddings": 64}
@@ -114,3 +116,19 @@ def pattern_kinds(config: Any, names: list[str]) -> dict[str, str]:
     """name -> kind under `rules` (first match), for asserting on what was split."""
     compiled = [(re.compile(r["regex"]), r["kind"]) for r in rules(config)]
     return {n: next((k for rx, k in compiled if rx.fullmatch(n)), "replicate") for n in names}
+
+
+TP4 = ("llama", "phi3", "qwen3", "mixtral", "olmo2")  # kv heads 2 < tp 4: replicated kv heads (dense, packed, MoE)
+GRADS = ("llama", "phi3", "qwen3", "gpt_neox", "olmo2")  # gradients compared element by element
+
+
+def write_shards(src: Path, tp: int, out: Path) -> Path:
+    assert reshard_cli(["write", str(src), "--tp", str(tp), "-o", str(out), "--no-progress"]) == 0
+    return out
+
+
+def reference_model(full: Path) -> Any:
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    return transformers.AutoModelForCausalLM.from_pretrained(full, dtype=torch.float32).eval()

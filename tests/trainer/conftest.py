@@ -6,19 +6,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 import torch.nn.functional as F
-from archs import ARCHS, IDS, make_checkpoint
-
-from reshard.cli import main as reshard_cli
-
-TP4 = ("llama", "phi3", "qwen3", "mixtral", "olmo2")  # kv heads 2 < tp 4: replicated kv heads (dense, packed, MoE)
-GRADS = ("llama", "phi3", "qwen3", "gpt_neox", "olmo2")  # gradients compared element by element
-
-
-def write_shards(src: Path, tp: int, out: Path) -> Path:
-    assert reshard_cli(["write", str(src), "--tp", str(tp), "-o", str(out), "--no-progress"]) == 0
-    return out
+from archs import ARCHS, GRADS, IDS, TP4, make_checkpoint, reference_model, write_shards
 
 
 @pytest.fixture(scope="session")
@@ -31,13 +20,6 @@ def arch_work(tmp_path_factory: pytest.TempPathFactory) -> Path:
         for tp in (1, 2, 4) if name in TP4 else (1, 2):
             write_shards(full, tp, root / name / f"tp{tp}")
     return root
-
-
-def reference_model(full: Path) -> Any:
-    import transformers
-
-    transformers.logging.set_verbosity_error()
-    return transformers.AutoModelForCausalLM.from_pretrained(full, dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="session")

@@ -13,8 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from archs import ARCHS, IDS, MOE_ARCHS, hf_config
-from conftest import GRADS, TP4
+from archs import ARCHS, GRADS, IDS, MOE_ARCHS, TP4, hf_config
 from safetensors.torch import load_file
 from trainer_checks import arch_job, global_slice, run_distributed
 

@@ -14,8 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from archs import ARCHS, IDS
-from conftest import reference_model, write_shards
+from archs import ARCHS, IDS, reference_model, write_shards
 from safetensors.torch import load_file
 from trainer_checks import PYTHON, REPO, build_memory_job, run_distributed, run_train
 
