@@ -2,9 +2,10 @@
 
     python -m bench.compare_s3_write [--reps 3] [--warmup 1] [--layers 2]
 
-  ranged          reshard write s3://bench/ckpt --tp 4 -o OUT   (ranged GETs of what each rank needs)
-  ranged-blocks   the same with RESHARD_STORE_WASTE=10 RESHARD_STORE_MAX_GAP=1MiB: row-split tensors
-                  come as whole row blocks (fewer requests, more bytes)
+  ranged          reshard write s3://bench/ckpt --tp 4 -o OUT   (ranged GETs of what each rank reads:
+                  contiguous slices, row-split tensors as row blocks)
+  ranged-blocks   the same with RESHARD_STORE_WASTE=10 RESHARD_STORE_MAX_GAP=1MiB: neighbouring ranges
+                  merged across larger gaps too (fewer requests, more bytes)
   ranged-rank0    reshard write ... --ranks 0: what one node of a tp=4 job fetches
   download        obstore GETs every object to a local directory, then reshard write DIR --tp 4 -o OUT
 Both use obstore (the library reshard reads with); each run is one process, timed from spawn to exit,
@@ -88,7 +89,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             cases = [
                 Case("ranged", write, env=s3.env, setup=clean, extra=fetched, note="reshard write s3://... --tp 4"),
                 Case("ranged-blocks", write, env=blocks, setup=clean, extra=fetched,
-                     note="the same, row-split tensors fetched as row blocks"),
+                     note="the same, gaps up to 1 MiB merged (WASTE=10)"),
                 Case("ranged-rank0", [*write, "--ranks", "0"], env=s3.env, setup=clean, extra=fetched,
                      note="reshard write s3://... --tp 4 --ranks 0 (one node's share)"),
                 Case("download", [sys.executable, "-m", "bench.compare_s3_write", "--child-download", url,

@@ -117,7 +117,9 @@ class RankPlan:
             replicated, read = by_group()
         else:
             replicated = sum(t.nbytes for t in self.tensors if t.replicated)
-            read = sum(s.nbytes for t in self.tensors for s in t.segments if not isinstance(s, Segment) or s.file)
+            from reshard.reads import bytes_read  # reads imports this module
+
+            read = sum(bytes_read(s) for t in self.tensors for s in t.segments)
         return {"tensors": len(self.tensors), "bytes": self.size, "replicated_bytes": replicated, "bytes_read": read}
 
 

@@ -40,6 +40,7 @@ from reshard.plan import (
     segments_for,
     tensor_selection,
 )
+from reshard.reads import bytes_read
 
 _COMPACT = (",", ":")
 _new = object.__new__
@@ -66,7 +67,7 @@ class _Layout:
     selection: Selection
     shape: tuple[int, ...]
     nbytes: int
-    read: int  # bytes read from source files (not padding)
+    read: int  # bytes the stream reads from source files (`reads.bytes_read`: row spans included)
     replicated: bool
     segments: tuple[Extent, ...]
     base_file: str
@@ -231,7 +232,7 @@ class RankPlanner:
         nbytes = math.prod(shape) * DTYPE_SIZES[gt.dtype]
         segments = segments_for(gt, sel)
         assert nbytes == sum(s.nbytes for s in segments), name
-        read = sum(s.nbytes for s in segments if not isinstance(s, Segment) or s.file)
+        read = sum(bytes_read(s) for s in segments)
         entry = json.dumps({"dtype": gt.dtype, "shape": list(shape)}, separators=_COMPACT)[:-1]
         info = gt.pieces[0].info
         return _Layout(sel, shape, nbytes, read, probe.replicated, segments, str(info.file), info.start,

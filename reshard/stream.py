@@ -1,7 +1,8 @@
 """RankPlan -> bytes: the rank file's header then its tensors, in bounded chunks, from any byte offset.
 
 Every sink (file writer, HTTP response, trainer fill) consumes this one stream, so they all see the
-same bytes. Memory is one chunk (plus a bounded scratch for gathering small strided runs). Source
+same bytes. Memory is one chunk (plus a bounded scratch for gathering small strided runs: what is read
+for each piece is listed by `reshard.reads`, the one definition the plan's `bytes_read` sums). Source
 files are opened once through a reader (`reshard.sources.readers`: pread on a local fd, or ranged GETs
 from a store, fetched ahead by a `Prefetcher` within a fixed cap) and checked against the plan's
 identity at open and after every read: a file that changes under the stream fails it
@@ -11,16 +12,14 @@ identity at open and after every read: a file that changes under the stream fail
 from __future__ import annotations
 
 import bisect
-import itertools
 from collections.abc import Iterator
 from types import TracebackType
 
 from reshard.plan import Interleave, RankPlan, Segment
+from reshard.reads import SCRATCH, piece_reads
 from reshard.sources.readers import Prefetcher, Reader, RemoteReader, open_reader
 
 CHUNK = 8 << 20
-_DIRECT_RUN = 256 << 10  # runs at least this long are read straight into the output
-_SCRATCH = 8 << 20
 
 
 class RankStream:
@@ -111,12 +110,10 @@ class RankStream:
             dst = out[done : done + n]
             if isinstance(piece, bytes):
                 dst[:] = piece[lo : lo + n]
-            elif isinstance(piece, Interleave):
-                self._read_interleave(piece, lo, dst)
-            elif piece.file is None:
+            elif isinstance(piece, Segment) and piece.file is None:
                 dst[:] = bytes(n)
             else:
-                self._read_segment(piece, lo, dst)
+                self._read_piece(piece, lo, dst)
             done += n
             i += 1
         self.check_unchanged()
@@ -126,62 +123,24 @@ class RankStream:
         for reader in self._readers.values():
             reader.check()
 
-    def _read_segment(self, seg: Segment, lo: int, dst: memoryview) -> None:
-        """Bytes [lo, lo+len(dst)) of a source segment into dst."""
-        assert seg.file is not None
-        reader = self._readers[seg.file]
-        if seg.contiguous:
-            reader.pread(dst, seg.offset + lo)
-            return
-        run, stride = seg.run, seg.stride
-        pos, end = lo, lo + len(dst)
-        while pos < end:
-            r, within = divmod(pos, run)
-            if within or end - pos < run or run >= _DIRECT_RUN:
-                n = min(run - within, end - pos)
-                reader.pread(dst[pos - lo : pos - lo + n], seg.offset + r * stride + within)
-                pos += n
+    def _read_piece(self, piece: Segment | Interleave, lo: int, dst: memoryview) -> None:
+        """Bytes [lo, lo+len(dst)) of a source piece into dst: the reads `piece_reads` lists, the
+        spans of short strided runs through the scratch, gathered with numpy."""
+        if isinstance(piece, Interleave) and any(p.file is None for p in piece.parts):
+            dst[:] = bytes(len(dst))  # a padding part: its columns stay zero
+        for rd in piece_reads(piece, lo, lo + len(dst)):
+            reader = self._readers[rd.file]
+            if rd.count == 1:
+                reader.pread(dst[rd.dst : rd.dst + rd.run], rd.offset)
                 continue
-            # several whole small runs: read the span covering them once, gather with numpy
             import numpy as np  # only strided (row-split) tensors need it
-            k = min((end - pos) // run, max(1, (_SCRATCH - run) // stride + 1))
-            span = (k - 1) * stride + run
-            scratch = self._scratch_view(span)
-            reader.pread_runs(scratch, seg.offset + r * stride, run, stride, k)
-            src = np.lib.stride_tricks.as_strided(np.frombuffer(scratch, np.uint8), (k, run), (stride, 1))
-            np.frombuffer(dst, np.uint8)[pos - lo : pos - lo + k * run].reshape(k, run)[...] = src
-            pos += k * run
-
-    def _read_interleave(self, il: Interleave, lo: int, dst: memoryview) -> None:
-        """Bytes [lo, lo+len(dst)) of rows made of one run of each part: whole rows are gathered
-        part by part into their columns of dst; partial rows at the edges part by part."""
-        import numpy as np
-
-        runs = [p.run for p in il.parts]
-        row = sum(runs)
-        cols = list(itertools.accumulate(runs, initial=0))
-        pos, end = lo, lo + len(dst)
-        while pos < end:
-            r, within = divmod(pos, row)
-            if within or end - pos < row:  # a partial row
-                stop = min(row, within + end - pos)
-                for part, a in zip(il.parts, cols):
-                    x, y = max(within, a), min(stop, a + part.run)
-                    if x < y:
-                        self._read_segment(part, r * part.run + x - a, dst[pos - lo + x - within : pos - lo + y - within])
-                pos += stop - within
-                continue
-            k = min((end - pos) // row, max(1, _SCRATCH // max(max(p.stride, p.run) for p in il.parts)))
-            rows = np.frombuffer(dst, np.uint8)[pos - lo : pos - lo + k * row].reshape(k, row)
-            for part, a in zip(il.parts, cols):
-                span = (k - 1) * part.stride + part.run if k > 1 else part.run
-                scratch = self._scratch_view(span)
-                self._readers[part.file].pread_runs(scratch, part.offset + r * part.stride, part.run, part.stride, k)
-                src = np.lib.stride_tricks.as_strided(np.frombuffer(scratch, np.uint8), (k, part.run), (part.stride, 1))
-                rows[:, a : a + part.run] = src
-            pos += k * row
+            scratch = self._scratch_view(rd.span)
+            reader.pread_runs(scratch, rd.offset, rd.run, rd.stride, rd.count)
+            src = np.lib.stride_tricks.as_strided(np.frombuffer(scratch, np.uint8), (rd.count, rd.run), (rd.stride, 1))
+            out = np.frombuffer(dst, np.uint8)[rd.dst : rd.dst + (rd.count - 1) * rd.step + rd.run]
+            np.lib.stride_tricks.as_strided(out, (rd.count, rd.run), (rd.step, 1))[...] = src
 
     def _scratch_view(self, n: int) -> memoryview:
         if self._scratch is None or len(self._scratch) < n:
-            self._scratch = bytearray(max(n, min(_SCRATCH, 1 << 20)))
+            self._scratch = bytearray(max(n, min(SCRATCH, 1 << 20)))
         return memoryview(self._scratch)[:n]

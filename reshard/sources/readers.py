@@ -2,11 +2,13 @@
 
 `open_reader(path, key)` gives a `LocalReader` (the fd also serves kernel copies) or a
 `RemoteReader`. Remote bytes are fetched ahead by a `Prefetcher`: the stream's output is cut into
-windows; for each window the exact source runs it needs are listed (`source_runs`), runs of one
-file that touch are merged, and so are runs a short gap apart while the gaps stay within `WASTE` of
-the bytes needed (shortest gaps first, the budget carried from window to window), and the ranges
-are fetched by a shared pool (several requests in flight) while at most `cap` bytes are fetched or
-in flight ahead of the reader. Each GET names the planned ETag: a replaced object fails the stream.
+windows; for each window the ranges the stream reads are listed (`reshard.reads.piece_reads`, the
+same the local stream preads: a row-split tensor's short rows as row blocks, long rows as they are),
+ranges of one file that touch are merged, and so are ranges a short gap apart while the gaps stay
+within `WASTE` of the bytes read (shortest gaps first, the budget carried from window to window),
+and the ranges are fetched by a shared pool (several requests in flight) while at most `cap` bytes
+are fetched or in flight ahead of the reader. Each GET names the planned ETag: a replaced object
+fails the stream.
 """
 
 from __future__ import annotations
@@ -15,21 +17,21 @@ import bisect
 import os
 import threading
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from reshard.errors import SourceChangedError
-from reshard.plan import Interleave, Segment
+from reshard.reads import piece_reads
 from reshard.sources.remote import is_url, store_for
 
 WINDOW = 8 << 20  # output bytes planned (and fetched) together
 CAP = int(os.environ.get("RESHARD_STORE_INFLIGHT", str(64 << 20)))  # bytes fetched ahead of the reader
 THREADS = int(os.environ.get("RESHARD_STORE_CONCURRENCY", "16"))  # requests in flight, all streams together
-# Merging two runs across a gap saves a request and costs the gap's bytes. The gaps merged add at most
-# WASTE of the bytes a stream needs (its budget carries over from window to window, shortest gaps
-# first); on a store with a high cost per request, raise both (row-split tensors then come as row blocks).
+# Merging two ranges across a gap saves a request and costs the gap's bytes. The gaps merged add at
+# most WASTE of the bytes a stream reads (its budget carries over from window to window, shortest gaps
+# first); on a store with a high cost per request, raise both (neighbouring tensors then come together).
 MAX_GAP = int(os.environ.get("RESHARD_STORE_MAX_GAP", str(256 << 10)))
 WASTE = float(os.environ.get("RESHARD_STORE_WASTE", "0.04"))
 
@@ -113,6 +115,8 @@ class RemoteReader:
             dst[:] = self.fetch(offset, offset + len(dst))
 
     def pread_runs(self, dst: memoryview, offset: int, run: int, stride: int, count: int) -> None:
+        if self.prefetcher is not None and self.prefetcher.copy(self.path, offset, dst):
+            return  # the span was fetched ahead as one row block
         for i in range(count):
             self.pread(dst[i * stride : i * stride + run], offset + i * stride)
 
@@ -128,40 +132,6 @@ def open_reader(path: str, key: Sequence[Any]) -> Reader:
 
 
 # --- prefetching -----------------------------------------------------------------------------------
-
-
-def segment_runs(seg: Segment, lo: int, hi: int) -> Iterator[tuple[str, int, int]]:
-    """(file, offset, length) of the source bytes behind bytes [lo, hi) of `seg`."""
-    if seg.file is None or hi <= lo:
-        return
-    if seg.contiguous:
-        yield seg.file, seg.offset + lo, hi - lo
-        return
-    r, within = divmod(lo, seg.run)
-    pos = lo
-    while pos < hi:
-        n = min(seg.run - within, hi - pos)
-        yield seg.file, seg.offset + r * seg.stride + within, n
-        pos, r, within = pos + n, r + 1, 0
-
-
-def source_runs(piece: Segment | Interleave, lo: int, hi: int) -> Iterator[tuple[str, int, int]]:
-    """(file, offset, length) of the source bytes behind bytes [lo, hi) of a stream piece."""
-    if isinstance(piece, Segment):
-        yield from segment_runs(piece, lo, hi)
-        return
-    row = piece.nbytes // piece.parts[0].count
-    cols = []
-    a = 0
-    for part in piece.parts:
-        cols.append(a)
-        a += part.run
-    for r in range(lo // row, (hi - 1) // row + 1):
-        base = r * row
-        for part, c in zip(piece.parts, cols):
-            x, y = max(lo, base + c), min(hi, base + c + part.run)
-            if x < y:
-                yield from segment_runs(part, r * part.run + x - base - c, r * part.run + y - base - c)
 
 
 def coalesce(runs: list[tuple[str, int, int]], budget: int) -> tuple[list[tuple[str, int, int]], int]:
@@ -241,11 +211,10 @@ class Prefetcher:
         while i < len(self.pieces) and self.starts[i] < hi:
             piece, base = self.pieces[i], self.starts[i]
             if not isinstance(piece, bytes):
-                plen = piece.nbytes
-                runs.extend(source_runs(piece, max(lo - base, 0), min(hi - base, plen)))
+                reads = piece_reads(piece, max(lo - base, 0), min(hi - base, piece.nbytes))
+                runs.extend((rd.file, rd.offset, rd.span) for rd in reads if rd.file in self.readers)
             i += 1
         w = _Window(lo, hi, 0)
-        runs = [r for r in runs if r[0] in self.readers]
         ranges, self.spare = coalesce(runs, self.spare + int(WASTE * sum(n for _, _, n in runs)))
         for f, off, n in ranges:
             reader = self.readers[f]
