@@ -173,12 +173,16 @@ class Catalog:
             raise NotFoundError(f"checkpoint {name!r} has no .safetensors files")
         entry = self._ckpts.get((name, key))
         if entry is None:
-            entry = _Entry(Checkpoint.open(directory))
-            for f in entry.ckpt.files:
-                if not is_within(Path(os.path.realpath(f.path)), self.root):
-                    raise BadRequest(f"{name}/{f.path.name} resolves outside the served root; refused")
+            entry = _Entry(self._open_checkpoint(name, directory))
             self._ckpts.put((name, key), entry)
         return entry, key
+
+    def _open_checkpoint(self, name: str, directory: Path) -> Checkpoint:
+        ckpt = Checkpoint.open(directory)
+        for f in ckpt.files:
+            if not is_within(Path(os.path.realpath(f.path)), self.root):
+                raise BadRequest(f"{name}/{f.path.name} resolves outside the served root; refused")
+        return ckpt
 
     def _stored_path(self, name: str, label: str) -> Path:
         return self.rules_dir / check_name(name) / f"{check_name(label, what='manifest label')}.json"

@@ -16,7 +16,7 @@ from reshard.format import CONFIG_NAME, INDEX_NAME, SINGLE_NAME, Checkpoint
 from reshard.manifest import RULES_FILES
 from reshard.sources.directory import RemoteDirectory
 from reshard.sources.remote import RemotePath, store_for
-from service.catalog import _WATCHED, Catalog, StatKey, _Entry, check_name, valid_name
+from service.catalog import _WATCHED, Catalog, StatKey, check_name, valid_name
 from service.errors import BadRequest
 from service.settings import Settings
 
@@ -60,13 +60,5 @@ class StoreCatalog(Catalog):
                 found.append({"name": name, "files": len(weights), "bytes": sum(f[1] for f in weights)})
         return found
 
-    def _entry(self, name: str) -> tuple[_Entry, StatKey]:
-        directory = self.directory(name)
-        key = self.scan(directory)
-        if not any(f[0].endswith(".safetensors") for f in key):
-            raise NotFoundError(f"checkpoint {name!r} has no .safetensors files")
-        entry = self._ckpts.get((name, key))
-        if entry is None:
-            entry = _Entry(Checkpoint.from_directory(RemoteDirectory(directory.url)))
-            self._ckpts.put((name, key), entry)
-        return entry, key
+    def _open_checkpoint(self, name: str, directory: Any) -> Checkpoint:
+        return Checkpoint.from_directory(RemoteDirectory(directory.url))

@@ -174,12 +174,12 @@ class Store:
         if "NoSuchBucket" in full or "bucket does not exist" in full.lower():
             return StoreError(f"{where}: no such bucket {self.root.split('://', 1)[1]!r} at "
                               f"{self.endpoint or 'the default endpoint'}; check the URL and AWS_ENDPOINT_URL")
-        if isinstance(e, (ox.PermissionDeniedError, ox.UnauthenticatedError)) or re.search(
-                r"AccessDenied|InvalidAccessKeyId|SignatureDoesNotMatch|Forbidden|403", full):
-            return StoreError(f"{where}: access denied ({_code(full) or text}); check the credentials "
-                              "(AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or the profile) and the bucket policy")
         if isinstance(e, (ox.NotFoundError, FileNotFoundError)):
             return CheckpointError(f"{where}: no such object")
+        if isinstance(e, (ox.PermissionDeniedError, ox.UnauthenticatedError)) or re.search(
+                r"AccessDenied|InvalidAccessKeyId|SignatureDoesNotMatch|Forbidden|status code: 403\b", full):
+            return StoreError(f"{where}: access denied ({_code(full) or text}); check the credentials "
+                              "(AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or the profile) and the bucket policy")
         status = re.search(r"status code: (\d{3})", full)
         if status:
             return StoreError(f"{where}: the server answered {status.group(1)} after retries ({text})")
