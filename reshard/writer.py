@@ -74,6 +74,13 @@ def remove_stale_temps(directory: Path) -> None:
 
 
 def _alive(pid: int) -> bool:
+    """Whether process `pid` runs; a zombie (killed, not yet reaped by its parent) does not."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+    except (OSError, IndexError):
+        pass  # no /proc: ask the kernel
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

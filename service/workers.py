@@ -92,12 +92,35 @@ def stop_on_signals(stop: Callable[[], None]) -> Callable[[], None]:
     return restore
 
 
+def _supervisor_class() -> type:
+    from uvicorn.supervisors import Multiprocess
+
+    class Supervisor(Multiprocess):
+        """uvicorn's supervisor, except that SIGTERM/SIGINT reach the workers at once (their handler
+        stops write jobs first), not at the supervisor's next half-second look at its signal queue."""
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, self._forward)
+
+        def _forward(self, sig: int, frame: Any) -> None:
+            self.signal_queue.append(sig)
+            for p in self.processes:
+                if p.pid is not None and p.exitcode is None:
+                    with contextlib.suppress(OSError):
+                        os.kill(p.pid, signal.SIGTERM)
+
+    return Supervisor
+
+
 def serve_workers(settings: Settings, *, workers: int, access_log: bool) -> int:
     """Run `workers` worker processes on one socket until SIGTERM/SIGINT; 3 if the socket cannot be bound."""
     import uvicorn
-    from uvicorn.supervisors import Multiprocess
 
     from service.metrics import MULTIPROC_ENV
+
+    _Supervisor = _supervisor_class()
 
     for key, value in settings_env(settings).items():
         if value is None:
@@ -115,7 +138,7 @@ def serve_workers(settings: Settings, *, workers: int, access_log: bool) -> int:
             sock = config.bind_socket()
         except SystemExit:  # uvicorn has logged why (address in use...)
             return 3
-        Multiprocess(config, sockets=[sock]).run()
+        _Supervisor(config, sockets=[sock]).run()
         return 0
     finally:
         shutil.rmtree(metrics_dir, ignore_errors=True)
