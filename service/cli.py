@@ -39,9 +39,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from service.app import create_app
-    from service.workers import return_freed_buffers
 
-    return_freed_buffers()
     app = create_app(settings)  # its lifespan stops write jobs at SIGTERM, before uvicorn drains connections
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                             access_log=not args.no_access_log, timeout_keep_alive=30)

@@ -34,6 +34,7 @@ from service.catalog import LRU
 from service.errors import RangeNotSatisfiable, response_for, served_root
 from service.metrics import ServiceMetrics
 from service.store import StateStore
+from service.workers import release_freed_memory
 
 log = logging.getLogger("reshard.service")
 
@@ -190,6 +191,7 @@ class ShardResponse(Response):
             outcome = await self._body(stream, receive, send)
         finally:
             stream.close()  # the reader thread has returned: cancellation waits for it
+            release_freed_memory()
             m.active_streams.dec()
             m.streams.labels(outcome).inc()
             m.stream_seconds.observe(time.monotonic() - t0)
