@@ -51,14 +51,14 @@ def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 60.0) -
 
 @contextlib.contextmanager
 def server(argv: Sequence[str], ready_url: str, *, env: dict[str, str] | None = None,
-           log: Path | None = None) -> Iterator[subprocess.Popen[bytes]]:
+           log: Path | None = None, timeout: float = 60.0) -> Iterator[subprocess.Popen[bytes]]:
     """Start `argv`, wait until `ready_url` answers, yield the process; stop it afterwards."""
     out = open(log, "wb") if log else subprocess.DEVNULL  # noqa: SIM115
     proc = subprocess.Popen(list(argv), env={**os.environ, **(env or {})}, cwd=REPO, stdout=out,
                             stderr=subprocess.STDOUT, start_new_session=True)
     try:
         try:
-            wait_ready(ready_url, proc)
+            wait_ready(ready_url, proc, timeout)
         except RuntimeError as e:
             tail = log.read_text(errors="replace")[-1500:] if log and log.exists() else ""
             raise RuntimeError(f"{e}: {' '.join(argv)}\n{tail}") from None

@@ -20,12 +20,10 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -128,12 +126,6 @@ def _serve_http(port: int, root: str, fail_every: int) -> None:
     uvicorn.run(counting_asgi(app, _Counter(fail_every)), host="127.0.0.1", port=port, log_level="warning", access_log=False)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @dataclass
 class StoreServer:
     """A running server: `url`, its process, and (for S3) the environment a client needs."""
@@ -157,34 +149,15 @@ def s3_env(endpoint: str, *, key_id: str = TEST_KEY_ID, secret: str = TEST_SECRE
 
 @contextlib.contextmanager
 def _spawn(args: list[str], env: dict[str, str] | None = None, timeout: float = 60.0) -> Iterator[StoreServer]:
+    from bench.servers import free_port, server  # the one start / wait until it answers / stop
+
     port = free_port()
-    full_env = {**os.environ, **(env or {}), "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    log = tempfile.TemporaryFile()  # a pipe nobody drains would block the server once full
-    proc = subprocess.Popen([sys.executable, "-m", "bench.stores", *args, "--port", str(port)], cwd=REPO,
-                            env=full_env, stdout=subprocess.DEVNULL, stderr=log)
-    srv = StoreServer(f"http://127.0.0.1:{port}", proc)
-    try:
-        deadline = time.monotonic() + timeout
-        while True:
-            if proc.poll() is not None:
-                log.seek(0)
-                raise RuntimeError(f"store server {args[0]} exited: {log.read().decode(errors='replace')[-2000:]}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(srv.url + COUNTS_PATH, timeout=1).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"store server {args[0]} did not start in {timeout} s")
-            time.sleep(0.1)
-        yield srv
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        log.close()
+    full_env = {**(env or {}), "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    url = f"http://127.0.0.1:{port}"
+    with tempfile.TemporaryDirectory(prefix="reshard-store-") as d, \
+            server([sys.executable, "-m", "bench.stores", *args, "--port", str(port)], url + COUNTS_PATH,
+                   env=full_env, log=Path(d) / "server.log", timeout=timeout) as proc:
+        yield StoreServer(url, proc)
 
 
 @contextlib.contextmanager
