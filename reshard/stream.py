@@ -83,18 +83,36 @@ class RankStream:
             pos += n
             yield out
 
-    def spans(self) -> Iterator[tuple[int, int, tuple[int, int] | None]]:
-        """(output offset, length, source) for every piece of the file in order; `source` is
-        (fd, offset) when the piece is one contiguous range of a source file (a sink may copy it in
-        the kernel), else None (read it with `read_into`)."""
-        for start, piece in zip(self._starts, self._pieces):
-            if isinstance(piece, bytes):
-                yield start, len(piece), None
-            elif isinstance(piece, Segment) and piece.file is not None and piece.contiguous \
-                    and self._readers[piece.file].fd is not None:
-                yield start, piece.nbytes, (self._readers[piece.file].fd, piece.offset)
-            else:
-                yield start, piece.nbytes, None
+    def runs(self, start: int = 0, end: int | None = None, *, chunk_size: int, direct_min: int
+             ) -> Iterator[tuple[int, int, tuple[int, int] | None]]:
+        """Bytes [start, end) as consecutive runs (output offset, length, source), for sinks that can
+        have the kernel copy file ranges (`copy_file_range`, `sendfile`): `source` is (fd, offset) for
+        a contiguous range of a local source file of at least `direct_min` bytes; otherwise None, a run
+        of at most `chunk_size` bytes to fill with `read_into` (neighbouring small pieces merged)."""
+        end = self.size if end is None else end
+        if not 0 <= start <= end <= self.size:
+            raise ValueError(f"byte range [{start}, {end}) outside 0..{self.size}")
+        pending, pos = start, start  # bytes [pending, pos) are still to be yielded as read runs
+        i = bisect.bisect_right(self._starts, start) - 1
+        while pos < end:
+            piece, base = self._pieces[i], self._starts[i]
+            hi = min(base + (len(piece) if isinstance(piece, bytes) else piece.nbytes), end)
+            i += 1
+            fd = (self._readers[piece.file].fd if isinstance(piece, Segment) and piece.contiguous
+                  and piece.file is not None else None)
+            if fd is not None and hi - pos >= direct_min:
+                while pending < pos:
+                    n = min(chunk_size, pos - pending)
+                    yield pending, n, None
+                    pending += n
+                yield pos, hi - pos, (fd, piece.offset + pos - base)
+                pending = hi
+            pos = hi
+            while pos - pending >= chunk_size:
+                yield pending, chunk_size, None
+                pending += chunk_size
+        if pending < end:
+            yield pending, end - pending, None
 
     def read_into(self, pos: int, out: memoryview) -> None:
         """Fill `out` with the stream's bytes starting at `pos`."""
@@ -124,8 +142,9 @@ class RankStream:
             reader.check()
 
     def _read_piece(self, piece: Segment | Interleave, lo: int, dst: memoryview) -> None:
-        """Bytes [lo, lo+len(dst)) of a source piece into dst: the reads `piece_reads` lists, the
-        spans of short strided runs through the scratch, gathered with numpy."""
+        """Bytes [lo, lo+len(dst)) of a source piece into dst: the reads `piece_reads` lists; short
+        strided runs straight from a leased mapping where the reader has one, else their span
+        through the scratch, gathered with numpy."""
         if isinstance(piece, Interleave) and any(p.file is None for p in piece.parts):
             dst[:] = bytes(len(dst))  # a padding part: its columns stay zero
         for rd in piece_reads(piece, lo, lo + len(dst)):
@@ -134,11 +153,13 @@ class RankStream:
                 reader.pread(dst[rd.dst : rd.dst + rd.run], rd.offset)
                 continue
             import numpy as np  # only strided (row-split) tensors need it
+            out = np.frombuffer(dst, np.uint8)[rd.dst : rd.dst + (rd.count - 1) * rd.step + rd.run]
+            out = np.lib.stride_tricks.as_strided(out, (rd.count, rd.run), (rd.step, 1))
+            if reader.gather(out, rd.offset, rd.run, rd.stride, rd.count):
+                continue
             scratch = self._scratch_view(rd.span)
             reader.pread_runs(scratch, rd.offset, rd.run, rd.stride, rd.count)
-            src = np.lib.stride_tricks.as_strided(np.frombuffer(scratch, np.uint8), (rd.count, rd.run), (rd.stride, 1))
-            out = np.frombuffer(dst, np.uint8)[rd.dst : rd.dst + (rd.count - 1) * rd.step + rd.run]
-            np.lib.stride_tricks.as_strided(out, (rd.count, rd.run), (rd.step, 1))[...] = src
+            out[...] = np.lib.stride_tricks.as_strided(np.frombuffer(scratch, np.uint8), (rd.count, rd.run), (rd.stride, 1))
 
     def _scratch_view(self, n: int) -> memoryview:
         if self._scratch is None or len(self._scratch) < n:

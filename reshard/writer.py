@@ -123,30 +123,13 @@ def _write_data(stream: RankStream, fd: int, on_bytes: Callable[[int], None]) ->
     """Every byte of the rank file into fd: long contiguous source ranges by kernel copy, the rest
     (header, strided runs, padding) through one chunk buffer."""
     buf = memoryview(bytearray(CHUNK))
-    fill, buf_pos = 0, 0
-
-    def flush() -> None:
-        nonlocal fill
-        if fill:
-            _pwrite_all(fd, buf[:fill], buf_pos)
-            on_bytes(fill)
-            fill = 0
-
-    for pos, n, src in stream.spans():
-        if src is not None and n >= COPY_MIN:
-            flush()
+    for pos, n, src in stream.runs(chunk_size=CHUNK, direct_min=COPY_MIN):
+        if src is not None:
             _copy_range(src[0], fd, n, src[1], pos)
-            on_bytes(n)
-            continue
-        while n:
-            if fill == 0:
-                buf_pos = pos
-            take = min(n, CHUNK - fill)
-            stream.read_into(pos, buf[fill : fill + take])
-            fill, pos, n = fill + take, pos + take, n - take
-            if fill == CHUNK:
-                flush()
-    flush()
+        else:
+            stream.read_into(pos, buf[:n])
+            _pwrite_all(fd, buf[:n], pos)
+        on_bytes(n)
     stream.check_unchanged()
 
 

@@ -20,7 +20,7 @@ def _settings(args: argparse.Namespace) -> Any:
     flags = {
         "root": args.root, "host": args.host, "port": args.port, "token": args.token, "out": args.out,
         "max_upload_bytes": args.max_upload_bytes, "chunk_size": args.chunk_size, "log_level": args.log_level,
-        "public_docs": args.public_docs, "workers": args.workers,
+        "public_docs": args.public_docs, "workers": args.workers, "zero_copy": args.zero_copy,
     }
     try:
         return Settings(**{k: v for k, v in flags.items() if v is not None})
@@ -38,11 +38,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     import uvicorn
 
+    from reshard.sources.mapped import MAPS
     from service.app import create_app
+    from service.workers import http_protocol
 
+    MAPS.enable()  # row-split gathers from leased mappings (a long-lived process, its main thread)
     app = create_app(settings)  # its lifespan stops write jobs at SIGTERM, before uvicorn drains connections
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                            access_log=not args.no_access_log, timeout_keep_alive=30)
+                            access_log=not args.no_access_log, timeout_keep_alive=30, http=http_protocol(settings))
     server = uvicorn.Server(config)
     with contextlib.suppress(KeyboardInterrupt):
         server.run()
@@ -60,6 +63,8 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--max-upload-bytes", type=int, help="largest accepted upload")
     p.add_argument("--chunk-size", type=int, help="bytes per streamed chunk (default 4 MiB)")
     p.add_argument("--workers", type=int, help="worker processes sharing the port (default: one per core)")
+    p.add_argument("--no-zero-copy", dest="zero_copy", action="store_false", default=None,
+                   help="copy every byte through Python instead of sendfile (env RESHARD_ZERO_COPY=false)")
     p.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug", "trace"])
     p.add_argument("--public-docs", action="store_true", default=None, help="/docs without the token")
     p.add_argument("--no-access-log", action="store_true", help="do not log every request")

@@ -75,6 +75,8 @@ class ServiceMetrics:
             "reshard_http_request_duration_seconds", "Time from request to last response byte, by route", ["route"],
             buckets=(0.001, 0.005, 0.025, 0.1, 0.5, 2.5, 10, 60, 300), registry=reg)
         self.bytes_served = Counter("reshard_shard_bytes_served", "Shard body bytes sent", registry=reg)
+        self.bytes_sendfile = Counter("reshard_shard_bytes_sendfile", "Shard body bytes of those sent by the "
+                                      "kernel from the source files (zero-copy send)", registry=reg)
         self.active_streams = Gauge("reshard_active_streams", "Shard bodies being sent now", registry=reg,
                                     multiprocess_mode="livesum")
         self.streams = Counter("reshard_shard_streams",

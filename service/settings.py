@@ -32,6 +32,10 @@ class Settings(BaseSettings):
     chunk_size: int = Field(4 * MiB, ge=64 << 10, le=256 * MiB, description="bytes per streamed chunk")
     send_timeout: float = Field(120.0, gt=0, description="seconds a client may take to accept one chunk of a "
                                 "shard before the stream is dropped (frees its files and buffers)")
+    zero_copy: bool = Field(True, description="`reshard serve` sends contiguous ranges of local source files with "
+                            "sendfile (no copy through Python). A file rewritten in place mid-stream still cuts "
+                            "the body short, but its bytes before the cut may then come from either version, as "
+                            "with any sendfile server; publish checkpoints by rename, or turn this off")
     io_threads: int = Field(32, ge=1, le=1024, description="threads reading shard bytes for all streams")
     job_workers: int = Field(1, ge=1, le=64, description="background write jobs run at once, per worker process")
     workers: int = Field(default_factory=lambda: len(os.sched_getaffinity(0)), ge=1, le=256,

@@ -1,12 +1,16 @@
 """Rank shard bytes over HTTP: a raw ASGI response on top of `RankStream`, ranges, ETags, digests.
 
 The body is produced by the same `RankStream` that `reshard write` uses, so the bytes are identical.
-A reader thread fills the next chunk while the event loop sends the current one; each chunk is a
-fresh buffer handed to the server, so a transport that keeps a reference to an unsent chunk (uvloop)
-never sees it overwritten. Memory per stream is about three chunks. A full body is hashed as it is
-read, so the first download of a shard also fills the digest cache. The stream watches for the
-client's `http.disconnect`; when it comes, the reader stops after its current
-chunk and the source files are closed.
+Where the server offers ASGI's zero-copy send (`reshard serve` does: `service.zerocopy`), every
+contiguous range of a local source file of at least `DIRECT_MIN` bytes goes from the page cache to
+the socket by `sendfile`, and the source files are checked after each range: a file that changed
+cuts the body short. Everything else (the header, strided row-split runs, padding, and the whole body
+while it is being hashed) is read by a thread into fresh chunk buffers while the event loop sends
+the previous one (a transport may keep a reference to an unsent chunk), checked after each read, so
+those bytes never mix two versions of a file. Memory per stream is about three chunks. A full body
+is hashed as it is read, so the first download of a shard also fills the digest cache. The stream
+watches for the client's `http.disconnect`; when it comes, the reader stops after its current chunk
+and the source files are closed.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import numpy as np
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from reshard.errors import ReshardError
+from reshard.errors import ReshardError, SourceChangedError
 from reshard.plan import RankPlan
 from reshard.stream import RankStream
 from service.catalog import LRU
@@ -39,6 +43,8 @@ from service.workers import release_freed_memory
 log = logging.getLogger("reshard.service")
 
 SHA_HEADER = "X-Reshard-Sha256"
+ZERO_COPY = "http.response.zerocopysend"  # the ASGI extension; `service.zerocopy` adds it to uvicorn
+DIRECT_MIN = 128 << 10  # contiguous file ranges at least this long go out by sendfile
 _RANGE_RE = re.compile(r"^\s*bytes\s*=\s*(\d*)\s*-\s*(\d*)\s*$")
 
 
@@ -188,7 +194,7 @@ class ShardResponse(Response):
         outcome = "error"
         try:
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-            outcome = await self._body(stream, receive, send)
+            outcome = await self._body(stream, scope, receive, send)
         finally:
             stream.close()  # the reader thread has returned: cancellation waits for it
             release_freed_memory()
@@ -196,16 +202,19 @@ class ShardResponse(Response):
             m.streams.labels(outcome).inc()
             m.stream_seconds.observe(time.monotonic() - t0)
 
-    async def _body(self, stream: RankStream, receive: Receive, send: Send) -> str:
+    async def _body(self, stream: RankStream, scope: Scope, receive: Receive, send: Send) -> str:
         """Send the body; return 'complete', 'disconnected', or 'error' / 'timeout' (then the body is
         cut short: a source changed, or the client took no chunk for `send_timeout` seconds)."""
         m, chunk = self.ctx.metrics, self.ctx.chunk_size
         state: dict[str, Any] = {"outcome": "disconnected", "error": None}
-        send_q, recv_q = anyio.create_memory_object_stream[memoryview](1)
+        send_q, recv_q = anyio.create_memory_object_stream[memoryview | tuple[int, int, int]](1)
         whole = self.on_digest is not None and (self.start, self.end) == (0, self.plan.size)
         sha = hashlib.sha256() if whole else None
+        # ranges of local source files go out by sendfile where the server can (not while hashing)
+        direct = ZERO_COPY in scope.get("extensions", {}) and sha is None
+        runs = stream.runs(self.start, self.end, chunk_size=chunk, direct_min=DIRECT_MIN if direct else self.end + 1)
 
-        def read(pos: int, n: int) -> memoryview:  # called for one chunk at a time, in order
+        def read(pos: int, n: int) -> memoryview:  # called for one run at a time, in order
             buf = memoryview(np.empty(n, np.uint8))  # not zero-filled: read_into overwrites every byte
             stream.read_into(pos, buf)  # checks afterwards that no source changed
             if sha is not None:
@@ -216,27 +225,43 @@ class ShardResponse(Response):
 
         async def produce(cancel: Callable[[], Any]) -> None:
             async with send_q:
-                pos = self.start
                 try:
-                    while pos < self.end:
-                        n = min(chunk, self.end - pos)
-                        buf = await anyio.to_thread.run_sync(read, pos, n, limiter=self.ctx.limiter())
-                        await send_q.send(buf)
-                        pos += n
+                    for pos, n, src in runs:
+                        if src is None:
+                            await send_q.send(await anyio.to_thread.run_sync(read, pos, n, limiter=self.ctx.limiter()))
+                        else:
+                            await send_q.send((*src, n))
                 except ReshardError as e:  # e.g. a source file changed under the stream
                     state["error"] = e
                     cancel()
 
+        def message(item: memoryview | tuple[int, int, int]) -> dict[str, Any]:
+            if isinstance(item, memoryview):
+                return {"type": "http.response.body", "body": item, "more_body": True}
+            fd, offset, count = item
+            return {"type": ZERO_COPY, "file": fd, "offset": offset, "count": count, "more_body": True}
+
         async def consume(cancel: Callable[[], Any]) -> None:
             async with recv_q:
-                async for buf in recv_q:
+                async for item in recv_q:
                     with anyio.move_on_after(self.ctx.send_timeout) as waiting:
-                        await send({"type": "http.response.body", "body": buf, "more_body": True})
+                        try:
+                            await send(message(item))
+                            if not isinstance(item, memoryview):  # sent by the kernel: check afterwards
+                                stream.check_unchanged()
+                        except (ReshardError, EOFError) as e:  # EOFError: a file ended early (truncated)
+                            state["error"] = e if isinstance(e, ReshardError) else SourceChangedError(str(e))
+                            cancel()
+                            return
                     if waiting.cancelled_caught:  # a client that stopped reading: let go of the stream
                         state["outcome"] = "timeout"
                         cancel()
                         return
-                    m.bytes_served.inc(len(buf))
+                    if isinstance(item, memoryview):
+                        m.bytes_served.inc(len(item))
+                    else:
+                        m.bytes_served.inc(item[2])
+                        m.bytes_sendfile.inc(item[2])
             if state["error"] is not None:
                 return
             await send({"type": "http.response.body", "body": b"", "more_body": False})

@@ -65,9 +65,11 @@ def release_freed_memory() -> None:
 
 def worker_app() -> FastAPI:
     """The app of one worker process (uvicorn's factory), settings from the environment."""
+    from reshard.sources.mapped import MAPS
     from service.app import create_app
 
     _die_with_supervisor()
+    MAPS.enable()  # row-split gathers from leased mappings (a long-lived process, its main thread)
     return create_app()
 
 
@@ -117,6 +119,11 @@ def _supervisor_class() -> type:
     return Supervisor
 
 
+def http_protocol(settings: Settings) -> str:
+    """uvicorn's `http` option: its httptools protocol, with ASGI's zero-copy send unless turned off."""
+    return "service.zerocopy:ZeroCopyProtocol" if settings.zero_copy else "httptools"
+
+
 def serve_workers(settings: Settings, *, workers: int, access_log: bool) -> int:
     """Run `workers` worker processes on one socket until SIGTERM/SIGINT; 3 if the socket cannot be bound."""
     import uvicorn
@@ -136,7 +143,7 @@ def serve_workers(settings: Settings, *, workers: int, access_log: bool) -> int:
     try:
         config = uvicorn.Config("service.workers:worker_app", factory=True, host=settings.host, port=settings.port,
                                 workers=workers, log_level=settings.log_level, access_log=access_log,
-                                timeout_keep_alive=30)
+                                timeout_keep_alive=30, http=http_protocol(settings))
         try:
             sock = config.bind_socket()
         except SystemExit:  # uvicorn has logged why (address in use...)

@@ -20,11 +20,15 @@ from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from reshard.errors import SourceChangedError
 from reshard.reads import piece_reads
+from reshard.sources.mapped import MAPS
 from reshard.sources.remote import is_url, store_for
+
+if TYPE_CHECKING:
+    import numpy as np
 
 WINDOW = 8 << 20  # output bytes planned (and fetched) together
 CAP = int(os.environ.get("RESHARD_STORE_INFLIGHT", str(64 << 20)))  # bytes fetched ahead of the reader
@@ -46,6 +50,10 @@ class Reader(Protocol):
     def pread_runs(self, dst: memoryview, offset: int, run: int, stride: int, count: int) -> None:
         """The `count` runs of `run` bytes `stride` apart from `offset` into `dst` (the span that
         covers them); the bytes between runs are unspecified."""
+
+    def gather(self, out: np.ndarray, offset: int, run: int, stride: int, count: int) -> bool:
+        """The same runs straight into `out` (shape (count, run)) where the reader can (a leased
+        mapping, `reshard.sources.mapped`); False: use `pread_runs`."""
 
     def check(self) -> None:
         """Raise `SourceChangedError` if the file changed since it was planned."""
@@ -79,6 +87,10 @@ class LocalReader:
 
     def pread_runs(self, dst: memoryview, offset: int, run: int, stride: int, count: int) -> None:
         self.pread(dst, offset)  # one read of the span: the page cache makes the gaps cheap
+
+    def gather(self, out: np.ndarray, offset: int, run: int, stride: int, count: int) -> bool:
+        assert self.fd is not None
+        return MAPS.gather(self.fd, out, offset, run, stride, count)
 
     def check(self) -> None:
         assert self.fd is not None
@@ -119,6 +131,9 @@ class RemoteReader:
             return  # the span was fetched ahead as one row block
         for i in range(count):
             self.pread(dst[i * stride : i * stride + run], offset + i * stride)
+
+    def gather(self, out: np.ndarray, offset: int, run: int, stride: int, count: int) -> bool:
+        return False
 
     def check(self) -> None:
         pass  # every GET is conditional on the planned ETag

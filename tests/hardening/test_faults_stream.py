@@ -20,7 +20,7 @@ from typing import Any
 
 import httpx
 import pytest
-from _hard import ThrottledProxy, fd_count, live_server, metric, rss_anon, wait_for
+from _hard import ThrottledProxy, fd_count, live_server, metric, process_tree, rss_anon, wait_for
 from _live import BIG, REPO, LiveServer, make_ckpt
 
 from reshard.client import ShardClient
@@ -200,9 +200,10 @@ def swap(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         versions[label] = (base / f"{label}-tp1" / rank_file_name(0, 1)).read_bytes()
     root = base / "root"
     root.mkdir()
-    with live_server(root, chunk_size=64 << 10) as srv:
-        yield {"srv": srv, "root": root, "base": base, **versions}
-        assert srv.alive() and "Traceback" not in srv.log(), srv.log()
+    with live_server(root, chunk_size=64 << 10) as srv, live_server(root, chunk_size=64 << 10, zero_copy=False) as copying:
+        yield {"srv": srv, "copying": copying, "root": root, "base": base, **versions}
+        for s in (srv, copying):
+            assert s.alive() and "Traceback" not in s.log(), s.log()
 
 
 def _install(swap: dict[str, Any], name: str) -> Path:
@@ -231,26 +232,69 @@ def test_replaced_by_rename_mid_stream(swap: dict[str, Any]) -> None:
     assert resumed.status_code == 200 and resumed.content == new  # a stale If-Range gets the whole new file
 
 
-def test_rewritten_in_place_mid_stream_cuts_the_body(swap: dict[str, Any]) -> None:
-    srv, old, new = swap["srv"], swap["old"], swap["new"]
-    weights = _install(swap, "inplace")
-    url = srv.ckpt_url("inplace") + "/shards/0"
+@pytest.mark.parametrize("zero_copy", [True, False], ids=["sendfile", "copying"])
+def test_rewritten_in_place_mid_stream_cuts_the_body(swap: dict[str, Any], zero_copy: bool) -> None:
+    """A tensor file rewritten in place mid-stream: the body is cut short and counted as an error. The
+    bytes received before the rewrite are the old version's; after it, a copying server still sends
+    only old bytes, while sendfile (as any sendfile server) may already have handed the kernel pages
+    that the rewrite changed, so a client must never take a short body (its length tells it)."""
+    srv, old, new = swap["srv" if zero_copy else "copying"], swap["old"], swap["new"]
+    name = f"inplace-{zero_copy}"
+    weights = _install(swap, name)
+    url = srv.ckpt_url(name) + "/shards/0"
     etag_old = httpx.head(url, params={"tp": 1}).headers["etag"]
+    httpx.get(url + "/digest", params={"tp": 1}, timeout=60)  # known digest: the body is not hashed on the way
     errors0 = metric(srv, 'reshard_shard_streams_total{outcome="error"}')
+    sendfile0 = metric(srv, "reshard_shard_bytes_sendfile_total")
     fresh = (swap["base"] / "new" / "model.safetensors").read_bytes()
-    s, size, body = _open_stream(srv, "/v1/checkpoints/inplace/shards/0?tp=1", rcvbuf=64 << 10)
+    s, size, body = _open_stream(srv, f"/v1/checkpoints/{name}/shards/0?tp=1", rcvbuf=64 << 10)
     with s:
         while len(body) < (1 << 20):
             body += s.recv(1 << 16)
+        before = len(body)
         with open(weights, "r+b") as f:  # same size, other bytes, a new mtime: tensors rewritten in place
             f.write(fresh)
         body = _read_rest(s, body, size)
     assert len(body) < size, "a complete body was sent although the source changed under it"
-    assert body == old[: len(body)], "the body mixes two versions"
+    assert body[:before] == old[:before]
+    if not zero_copy:
+        assert body == old[: len(body)], "the body mixes two versions"
     assert wait_for(lambda: metric(srv, 'reshard_shard_streams_total{outcome="error"}') == errors0 + 1)
+    assert (metric(srv, "reshard_shard_bytes_sendfile_total") > sendfile0) == zero_copy
     r = httpx.get(url, params={"tp": 1}, timeout=60)
     assert r.status_code == 200 and r.headers["etag"] != etag_old and r.content == new
     assert httpx.get(srv.url + "/healthz").status_code == 200
+
+
+def test_truncated_under_a_row_split_stream(swap: dict[str, Any]) -> None:
+    """A row-split shard is gathered from a leased mapping of its file in the server: truncating and
+    rewriting the file in place mid-stream makes the server give the lease back at once (the writer
+    is not held for the kernel's 45 s), cuts the body, and never faults the server (SIGBUS)."""
+    srv = swap["srv"]
+    weights = _install(swap, "rowcut")
+    (weights.parent / "reshard-rules.json").write_text(json.dumps({"rules": [{"pattern": "*_proj.weight", "kind": "row"}]}))
+    fresh = (swap["base"] / "new" / "model.safetensors").read_bytes()
+    errors0 = metric(srv, 'reshard_shard_streams_total{outcome="error"}')
+    s, size, body = _open_stream(srv, "/v1/checkpoints/rowcut/shards/0?tp=2", rcvbuf=64 << 10)
+    with s:
+
+        def mapped() -> bool:
+            return any(str(weights) in Path(f"/proc/{p}/maps").read_text() for p in process_tree(srv.proc.pid))
+
+        while not mapped() and len(body) < size // 2:  # past the embedding, into the row-split matrices
+            body += s.recv(1 << 16)
+        assert mapped(), "the server does not map the file"
+        t0 = time.monotonic()
+        with open(weights, "wb") as f:  # O_TRUNC: every mapped page of the old contents goes
+            f.write(fresh)
+        waited = time.monotonic() - t0
+        body = _read_rest(s, body, size)
+    assert waited < 10, f"the writer was held {waited:.1f} s"
+    assert len(body) < size
+    assert wait_for(lambda: metric(srv, 'reshard_shard_streams_total{outcome="error"}') == errors0 + 1)
+    assert srv.alive() and httpx.get(srv.url + "/healthz").status_code == 200
+    r = httpx.get(srv.ckpt_url("rowcut") + "/shards/0", params={"tp": 2}, timeout=60)
+    assert r.status_code == 200 and len(r.content) == int(r.headers["content-length"])
 
 
 def test_client_refuses_mixed_bytes(swap: dict[str, Any]) -> None:

@@ -17,7 +17,7 @@ from typing import Any
 
 import httpx
 import pytest
-from _live import BIG, REPO, SMALL_CKPTS, LiveServer
+from _live import BIG, REPO, SMALL_CKPTS, LiveServer, live_server
 
 from reshard.client import ShardClient
 from reshard.plan import rank_file_name
@@ -132,6 +132,49 @@ def test_concurrent_pulls_byte_correct_and_memory_bounded(server: LiveServer, wr
     # 16 streams x ~3 chunks of 256 KiB, plus allocator slack: far below the 16 shards (~190 MB)
     assert growth < min(96 << 20, total // 2), (growth, total)
     assert metric(server, "reshard_active_streams") == 0
+
+
+def _sendfile_bytes(ckpt: Path, tp: int, rank: int, lo: int, hi: int) -> int:
+    """Bytes of [lo, hi) of the rank file in contiguous ranges of a source file at least DIRECT_MIN
+    long (within [lo, hi)): what the server should hand to sendfile, from the plan's segments."""
+    from reshard.plan import make_plan
+    from reshard.sources import open_source
+    from service.streaming import DIRECT_MIN
+
+    src, manifest = open_source(ckpt)
+    rp = make_plan(src, manifest, tp).ranks[rank]
+    pos, total = len(rp.header), 0
+    for t in rp.tensors:
+        for seg in t.segments:
+            part = min(hi, pos + seg.nbytes) - max(lo, pos)  # the piece's bytes inside [lo, hi)
+            if getattr(seg, "contiguous", False) and seg.file is not None and part >= DIRECT_MIN:
+                total += part
+            pos += seg.nbytes
+    return total
+
+
+def test_contiguous_ranges_go_out_by_sendfile(server: LiveServer, ckpt_root: Path, written: Any) -> None:
+    """Once a shard's digest is known, its contiguous source ranges are sent by the kernel (whole
+    bodies and ranges alike), with the same bytes; `--no-zero-copy` sends none that way."""
+    want = (written(BIG, 2) / rank_file_name(1, 2)).read_bytes()
+    url, params = shard_url(server, BIG, 1), {"tp": 2}
+    httpx.get(url + "/digest", params=params, timeout=60)
+    expected = _sendfile_bytes(ckpt_root / BIG, 2, 1, 0, len(want))
+    assert expected > len(want) // 2
+    before = metric(server, "reshard_shard_bytes_sendfile_total")
+    assert httpx.get(url, params=params, timeout=60).content == want
+    assert metric(server, "reshard_shard_bytes_sendfile_total") - before == expected
+    a, b = 123_457, len(want) - 99_999  # both ends inside sendfile ranges or copied pieces alike
+    before = metric(server, "reshard_shard_bytes_sendfile_total")
+    r = httpx.get(url, params=params, headers={"Range": f"bytes={a}-{b}"}, timeout=60)
+    assert r.status_code == 206 and r.content == want[a : b + 1]
+    assert metric(server, "reshard_shard_bytes_sendfile_total") - before == _sendfile_bytes(ckpt_root / BIG, 2, 1, a, b + 1)
+    with live_server(ckpt_root, zero_copy=False) as copying:
+        curl = httpx.get(shard_url(copying, BIG, 1), params=params, timeout=60)
+        assert curl.content == want
+        assert httpx.get(shard_url(copying, BIG, 1), params=params, timeout=60).content == want
+        assert metric(copying, "reshard_shard_bytes_sendfile_total") == 0
+        assert metric(copying, "reshard_shard_bytes_served_total") == 2 * len(want)
 
 
 def test_first_download_fills_the_digest_cache(server: LiveServer, ckpt_root: Path, written: Any) -> None:
