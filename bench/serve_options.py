@@ -1,10 +1,12 @@
 """`python -m bench.serve_options [--reps 5]`: the service's data-path options side by side with nginx.
 
 One client pulls rank 0 of tp=4 (a column-split and a row-split variant of the 1 GB checkpoint) from
-nginx and from `reshard serve` with 4, 16 and 1 MiB chunks, and from the same app under granian when
-`granian` is importable (it is not a dependency: `pip install granian` or put it on PYTHONPATH). Every
-server runs one worker per core. Prints, per variant and option, the throughput relative to nginx
-(median of per-round ratios), the median MB/s and the server's peak RssAnon.
+nginx and from `reshard serve` as it ships (zero-copy send, mapped row gathers, 4 MiB chunks), with
+each of those turned off or changed (`RESHARD_ZERO_COPY=false`, `RESHARD_MAPPED_READS=false`, 16 and
+1 MiB chunks), and from the same app under granian when `granian` is importable (it is not a
+dependency: `pip install granian` or put it on PYTHONPATH). Every server runs one worker per core.
+Prints, per variant and option, the throughput relative to nginx (median of per-round ratios), the
+median MB/s and the server's peak RssAnon.
 """
 
 from __future__ import annotations
@@ -23,7 +25,13 @@ from bench.interleave import Case, interleave
 from bench.measure import median
 from bench.servers import REPO, ensure_nginx, free_port, nginx_argv, reshard_serve_argv, server
 
-CHUNKS = {"uvicorn, 4 MiB chunks": 4, "uvicorn, 16 MiB chunks": 16, "uvicorn, 1 MiB chunks": 1}
+OPTIONS = {  # name -> the server's environment
+    "reshard serve (sendfile, mapped gathers, 4 MiB chunks)": {},
+    "no zero-copy send": {"RESHARD_ZERO_COPY": "false"},
+    "no mapped gathers (pread row blocks)": {"RESHARD_MAPPED_READS": "false"},
+    "16 MiB chunks": {"RESHARD_CHUNK_SIZE": str(16 << 20)},
+    "1 MiB chunks": {"RESHARD_CHUNK_SIZE": str(1 << 20)},
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,17 +43,17 @@ def main(argv: list[str] | None = None) -> int:
     root, files = prepare(data.checkpoint("1gb", root=args.data), work, ["col", "row"])
     logs = work / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    names = ["nginx", *CHUNKS] + (["granian, 4 MiB chunks"] if importlib.util.find_spec("granian") else [])
+    names = ["nginx", *OPTIONS] + (["granian, 4 MiB chunks"] if importlib.util.find_spec("granian") else [])
     ports = {n: free_port() for n in names}
     results: dict[str, dict[str, object]] = {}
     with contextlib.ExitStack() as stack:
         pids = {"nginx": stack.enter_context(server(
             nginx_argv(ensure_nginx(), files, work / "nginx", ports["nginx"], workers=WORKERS),
             f"http://127.0.0.1:{ports['nginx']}/", log=logs / "nginx.log")).pid}
-        for n, mib in CHUNKS.items():
+        for i, (n, env) in enumerate(OPTIONS.items()):
             pids[n] = stack.enter_context(server(
                 reshard_serve_argv(root, ports[n], workers=WORKERS), f"http://127.0.0.1:{ports[n]}/healthz",
-                env={"RESHARD_CHUNK_SIZE": str(mib << 20)}, log=logs / f"{mib}mib.log")).pid
+                env=env, log=logs / f"option-{i}.log")).pid
         if "granian, 4 MiB chunks" in ports:
             n = "granian, 4 MiB chunks"
             argv_g = [sys.executable, "-m", "granian", "--interface", "asgi", "--factory", "--workers", str(WORKERS),

@@ -38,11 +38,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     import uvicorn
 
-    from reshard.sources.mapped import MAPS
     from service.app import create_app
-    from service.workers import http_protocol
+    from service.workers import enable_mapped_reads, http_protocol
 
-    MAPS.enable()  # row-split gathers from leased mappings (a long-lived process, its main thread)
+    enable_mapped_reads(settings)
     app = create_app(settings)  # its lifespan stops write jobs at SIGTERM, before uvicorn drains connections
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                             access_log=not args.no_access_log, timeout_keep_alive=30, http=http_protocol(settings))

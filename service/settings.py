@@ -36,6 +36,9 @@ class Settings(BaseSettings):
                             "sendfile (no copy through Python). A file rewritten in place mid-stream still cuts "
                             "the body short, but its bytes before the cut may then come from either version, as "
                             "with any sendfile server; publish checkpoints by rename, or turn this off")
+    mapped_reads: bool = Field(True, description="`reshard serve` gathers row-split (strided) runs straight from "
+                               "memory mappings of the source files, each guarded by a read lease (see "
+                               "reshard.sources.mapped); off: read the covering row blocks with pread and gather")
     io_threads: int = Field(32, ge=1, le=1024, description="threads reading shard bytes for all streams")
     job_workers: int = Field(1, ge=1, le=64, description="background write jobs run at once, per worker process")
     workers: int = Field(default_factory=lambda: len(os.sched_getaffinity(0)), ge=1, le=256,

@@ -65,12 +65,20 @@ def release_freed_memory() -> None:
 
 def worker_app() -> FastAPI:
     """The app of one worker process (uvicorn's factory), settings from the environment."""
-    from reshard.sources.mapped import MAPS
     from service.app import create_app
 
     _die_with_supervisor()
-    MAPS.enable()  # row-split gathers from leased mappings (a long-lived process, its main thread)
-    return create_app()
+    settings = Settings()
+    enable_mapped_reads(settings)
+    return create_app(settings)
+
+
+def enable_mapped_reads(settings: Settings) -> None:
+    """Row-split gathers from leased mappings in this server process (long-lived; call from its main thread)."""
+    if settings.mapped_reads:
+        from reshard.sources.mapped import MAPS
+
+        MAPS.enable()
 
 
 def stop_on_signals(stop: Callable[[], None]) -> Callable[[], None]:
