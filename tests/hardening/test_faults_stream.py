@@ -122,13 +122,18 @@ def test_fifty_disconnects_leak_nothing(server: LiveServer, written: Any) -> Non
     assert _settled(server)
 
 
-def test_client_that_stops_reading_is_dropped(tmp_path: Path) -> None:
+@pytest.mark.parametrize("path", ["hashing", "sendfile"])
+def test_client_that_stops_reading_is_dropped(tmp_path: Path, path: str) -> None:
     """A client that reads the headers and then nothing (and never hangs up) holds the stream only for
-    `send_timeout` seconds: then its files and buffers are freed, and everyone else is served."""
+    `send_timeout` seconds: then its files and buffers are freed, and everyone else is served. The
+    first download of a shard is read and hashed on the way; once its digest is known the kernel
+    sends it (`sendfile`): both stall the same way."""
     root = tmp_path / "root"
     make_ckpt(root / "ck", seed=3, **SWAP)  # ~34 MB shard: far more than the socket buffers hold
     with live_server(root, chunk_size=64 << 10, send_timeout=1) as srv:
         target = "/v1/checkpoints/ck/shards/0?tp=1"
+        if path == "sendfile":
+            assert httpx.get(srv.url + target.replace("?", "/digest?"), timeout=60).status_code == 200
         s, size, _ = _open_stream(srv, target, rcvbuf=4096)
         try:
             assert wait_for(lambda: metric(srv, "reshard_active_streams") == 1, timeout=10)
@@ -139,6 +144,7 @@ def test_client_that_stops_reading_is_dropped(tmp_path: Path) -> None:
             got = httpx.get(srv.url + target, timeout=60)  # others are served while the socket still dangles
             assert got.status_code == 200 and len(got.content) == size
             assert metric(srv, 'reshard_shard_streams_total{outcome="complete"}') == 1
+            assert (metric(srv, "reshard_shard_bytes_sendfile_total") > 0) == (path == "sendfile")
         finally:
             s.close()
         assert "dropped: the client took no data for 1 s" in srv.log()

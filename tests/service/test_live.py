@@ -205,9 +205,18 @@ def _raw_request(srv: LiveServer, target: str, *, read: int = 0) -> bytes:
         return got
 
 
-def test_client_disconnect_mid_stream(server: LiveServer) -> None:
+@pytest.mark.parametrize("path", ["hashing", "sendfile"])
+def test_client_disconnect_mid_stream(server: LiveServer, ckpt_root: Path, path: str) -> None:
+    """Clients that hang up mid-body: the stream ends, its files close. A fresh copy's digest is
+    unknown, so its body is read and hashed; with the digest asked for first, it goes out by sendfile."""
+    name = f"disconnect-{path}"
+    if not (ckpt_root / name).exists():  # new mtimes: its own ETag, no digest known
+        shutil.copytree(ckpt_root / BIG, ckpt_root / name, copy_function=shutil.copyfile)
+    target = f"/v1/checkpoints/{name}/shards/0?tp=1"
+    if path == "sendfile":
+        assert httpx.get(server.url + target.replace("?", "/digest?"), timeout=60).status_code == 200
+    sendfile0 = metric(server, "reshard_shard_bytes_sendfile_total")
     streams0 = metric(server, 'reshard_shard_streams_total{outcome="disconnected"}')
-    target = f"/v1/checkpoints/{BIG}/shards/0?tp=1"
     for _ in range(3):
         got = _raw_request(server, target, read=1 << 20)
         assert got.startswith(b"HTTP/1.1 200")
@@ -219,6 +228,7 @@ def test_client_disconnect_mid_stream(server: LiveServer) -> None:
     assert httpx.get(server.url + "/healthz").status_code == 200
     full = httpx.get(server.url + target, timeout=60)
     assert full.status_code == 200 and len(full.content) == int(full.headers["content-length"])
+    assert (metric(server, "reshard_shard_bytes_sendfile_total") > sendfile0) == (path == "sendfile")
     fds = server.fds()
     assert fds < 64, fds  # source files closed, not leaked per aborted stream
 
