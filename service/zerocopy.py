@@ -86,7 +86,7 @@ async def send_range(sock: int, fd: int, offset: int, count: int) -> int:
                     _COLD, _sendfile_closing, os.dup(sock), os.dup(fd), offset + sent, n))
         except BlockingIOError:  # the socket is full: wait for room
             ready = loop.create_future()
-            loop.add_writer(sock, ready.set_result, None)
+            loop.add_writer(sock, lambda: ready.done() or ready.set_result(None))  # may fire again before removed
             try:
                 await ready
             finally:
