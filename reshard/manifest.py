@@ -20,6 +20,7 @@ present, else the plan transformers declares for its `model_type` (installed, or
 from __future__ import annotations
 
 import fnmatch
+import functools
 import hashlib
 import json
 import re
@@ -71,6 +72,30 @@ class Manifest:
             if rule.matches(name):
                 return rule
         return None
+
+    def match_all(self, names: Iterable[str]) -> list[Rule | None]:
+        """`[self.match(n) for n in names]`, with one regex for all the rules where they combine: an
+        alternation of the rules' patterns, each in a group, matches the whole name with the first
+        rule that does (the regex engine tries the alternatives in order), and says which."""
+        combined = self._combined
+        if combined is None:
+            return [self.match(n) for n in names]
+        rules, full = (None, *self.rules), combined.fullmatch
+        return [rules[m.lastindex] if (m := full(n)) is not None else None for n in names]  # type: ignore[union-attr]
+
+    @functools.cached_property
+    def _combined(self) -> re.Pattern[str] | None:
+        """`(rule 1)|(rule 2)|...`, or None where a rule matches by more than its pattern (a subclass's
+        `matches`) or its own groups (or flags) would not survive the alternation."""
+        if not self.rules or any(type(r).matches is not Rule.matches for r in self.rules):
+            return None
+        patterns = [r._re for r in self.rules]  # type: ignore[attr-defined]
+        if any(p.groups or p.flags & ~re.UNICODE for p in patterns):
+            return None
+        try:
+            return re.compile("|".join(f"({p.pattern})" for p in patterns))
+        except re.error:  # e.g. a global flag such as (?i) that must start the pattern
+            return None
 
     def to_dict(self) -> dict[str, Any]:
         return {"strict": self.strict, "rules": [r.to_dict() for r in self.rules]}

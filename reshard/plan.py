@@ -258,14 +258,11 @@ def tensor_selection(name: str, shape: tuple[int, ...], rule: Rule, rank: int, t
 
 def resolve_rules(ckpt_tensors: Sequence[str], manifest: Manifest, *, strict: bool = False) -> tuple[dict[str, Rule], list[str]]:
     """Each tensor's rule (default replicate) and warnings for rules that match nothing."""
-    chosen: dict[str, Rule] = {}
-    unmatched = []
-    for name in ckpt_tensors:
-        rule = manifest.match(name)
-        if rule is None:
-            unmatched.append(name)
-            rule = _REPLICATE
-        chosen[name] = rule
+    matched = manifest.match_all(ckpt_tensors)
+    chosen: dict[str, Rule] = dict(zip(ckpt_tensors, matched))  # type: ignore[arg-type]
+    unmatched = [name for name, rule in chosen.items() if rule is None]
+    for name in unmatched:
+        chosen[name] = _REPLICATE
     if unmatched and manifest.strict:
         raise PlanError(
             f"{len(unmatched)} tensors match no rule and the manifest is strict, e.g. {unmatched[0]!r}; "

@@ -7,6 +7,7 @@ shapes (reshard may be stricter, never looser).
 from __future__ import annotations
 
 import json
+import math
 import struct
 from pathlib import Path
 
@@ -15,6 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors import safe_open
 
+from bench.moe_data import moe_checkpoint
+from reshard import headers
 from reshard.errors import ReshardError
 from reshard.format import DTYPE_SIZES, parse_header, read_header
 
@@ -139,3 +142,69 @@ def test_any_json_value_as_header(fuzz_file: Path, value: object) -> None:
     if isinstance(value, dict):
         check_agrees_with_safetensors(raw_safetensors(json.dumps({"t": value}).encode()), fuzz_file)
     check_agrees_with_safetensors(raw_safetensors(json.dumps({"__metadata__": value}).encode()), fuzz_file)
+
+
+# --- the column-at-a-time checks decide as the per-entry checks do -------------------------------------
+
+def outcome(raw: bytes, *, fast: bool) -> object:
+    """parse_columns' result, or the message it refused with; `fast=False` turns off its fast path
+    (`headers._fast_parse`), so every check runs one entry at a time as before it existed."""
+    saved = headers._fast_parse
+    if not fast:
+        headers._fast_parse = lambda text, data_len: None  # type: ignore[assignment]
+    try:
+        entries, metadata, columns = headers.parse_columns(raw, path="f.safetensors", file_size=len(raw))
+        return entries, metadata, tuple(map(list, columns))
+    except ReshardError as e:
+        return str(e)
+    finally:
+        headers._fast_parse = saved  # type: ignore[assignment]
+
+
+ASCII_NAMES = st.text(st.sampled_from("abc.:_-09\"\\"), min_size=1, max_size=6)
+
+
+@st.composite
+def canonical_files(draw: st.DrawFn) -> bytes:
+    """Files as safetensors writes them (compact JSON, ASCII names, offsets in order): the fast path's
+    home ground; then up to two mutations of their bytes."""
+    names = draw(st.lists(ASCII_NAMES.filter(lambda s: s != "__metadata__"), min_size=1, max_size=5, unique=True))
+    header: dict = {"__metadata__": {"format": "pt"}} if draw(st.booleans()) else {}
+    pos = 0
+    for name in names:
+        dtype = draw(st.sampled_from(TORCH_OK))
+        shape = draw(st.lists(st.integers(0, 3), max_size=3))
+        n = DTYPE_SIZES[dtype] * math.prod(shape)
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [pos, pos + n]}
+        pos += n
+    if draw(st.booleans()):  # not in offset order
+        header = dict(sorted(header.items(), reverse=True))
+    text = json.dumps(header, separators=(",", ":"))
+    if draw(st.booleans()):  # a name given twice (json.loads alone would keep the second)
+        first = json.dumps(dict([next(iter(header.items()))]), separators=(",", ":"))[1:-1]
+        text = text[:-1] + "," + first + "}"
+    raw = bytearray(raw_safetensors(text.encode(), bytes(pos)))
+    for _ in range(draw(st.integers(0, 2))):
+        i = draw(st.integers(8, len(raw) - 1))
+        raw[i : i + 1] = draw(st.sampled_from([b"", b"1", b"0", b"-", b",", b":", b'"', b"[", b"]", b"{", b"}",
+                                                b"\\u0000", b"F16", b"2.0", b"true", b" "]))
+    return bytes(raw)
+
+
+@FUZZ
+@given(st.one_of(canonical_files(), valid_files(), mutated_files()))
+def test_fast_checks_agree_with_the_per_entry_checks(raw: bytes) -> None:
+    """Same tensors (or the same error message) with the fast path on and off."""
+    assert outcome(raw, fast=True) == outcome(raw, fast=False)
+
+
+def test_fast_path_takes_well_formed_headers(tmp_path: Path) -> None:
+    """A real checkpoint's headers go through the fast path, and give what the per-entry checks give."""
+    ckpt = moe_checkpoint(tmp_path / "moe", tensors=300, num_files=2)
+    for f in sorted(ckpt.glob("*.safetensors")):
+        raw = f.read_bytes()
+        n = struct.unpack("<Q", raw[:8])[0]
+        assert headers._fast_parse(raw[8 : 8 + n].decode(), len(raw) - 8 - n) is not None
+        assert outcome(raw, fast=True) == outcome(raw, fast=False)
+        entries, _, columns = outcome(raw, fast=True)  # type: ignore[misc]
+        assert len(entries) == len(columns[0]) > 100
