@@ -137,11 +137,16 @@ class Manifest:
             text = path.read_text(encoding="utf-8")
         except OSError as e:
             raise ManifestError(f"{path}: cannot read rules file: {e.strerror}") from None
-        import yaml
+        if path.suffix == ".json":  # (yaml is imported only for YAML: a JSON rules file opens without it)
+            errors: tuple[type[Exception], ...] = (ValueError,)
+            parse: Callable[[str], Any] = json.loads
+        else:
+            import yaml
 
+            errors, parse = (ValueError, yaml.YAMLError), yaml.safe_load
         try:
-            obj = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
-        except (ValueError, yaml.YAMLError) as e:
+            obj = parse(text)
+        except errors as e:
             first = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise ManifestError(f"{path}: not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {first}") from None
         return cls.from_dict(obj, source=f"rules file {path}")

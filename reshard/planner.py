@@ -232,22 +232,30 @@ class RankPlanner:
                     else n for n, gt in tensors.items()]
             meta, loc = tensors, {n: gt.pieces[0].info for n, gt in tensors.items()}
         gid_of = {key: gid for gid, key in enumerate(dict.fromkeys(keys))}  # numbered in source order
-        first_of = dict(zip(reversed(keys), reversed(list(tensors))))
-        self.firsts: list[str] = [first_of[key] for key in gid_of]  # the first tensor (in source order) of each group
-        gid_by_name = dict(zip(tensors, map(gid_of.__getitem__, keys)))
-        del keys, first_of
-        names = sorted(tensors)  # the metadata's key order (json sort_keys)
+        src = list(tensors)
+        src_gids = list(map(gid_of.__getitem__, keys))
+        del keys
+        first_of = dict(zip(reversed(src_gids), reversed(src)))
+        self.firsts: list[str] = [first_of[gid] for gid in range(len(gid_of))]  # the first tensor (in source order) of each group
+        names = sorted(src)  # the metadata's key order (json sort_keys)
+        in_order = names == src  # (a Checkpoint's tensors are)
+        name_gids = src_gids if in_order else list(map(dict(zip(src, src_gids)).__getitem__, names))
         ordered = names  # file order: largest item size first, then name (data_order)
         if len({DTYPE_SIZES[t.dtype] for t in meta.values()}) > 1:
             by_size: dict[int, list[str]] = {}
             for n in names:
                 by_size.setdefault(DTYPE_SIZES[meta[n].dtype], []).append(n)
             ordered = [n for size in sorted(by_size, reverse=True) for n in by_size[size]]
-        self.order = list(zip(ordered, map(meta.__getitem__, ordered)))  # (name, its dtype and shape)
         paths = {i: str(f) for i, f in {id(t.file): t.file for t in loc.values()}.items()}
-        self.where = [(paths[id(t.file)], t.start) for t in map(loc.__getitem__, ordered)]
-        self.gids = list(map(gid_by_name.__getitem__, ordered))
-        self._sorted_gids = self.gids if ordered is names else list(map(gid_by_name.__getitem__, names))
+        if in_order and ordered is names:
+            self.order = list(meta.items())  # (name, its dtype and shape)
+            self.where = [(paths[id(t.file)], t.start) for t in loc.values()]
+            self.gids = name_gids
+        else:
+            self.order = list(zip(ordered, map(meta.__getitem__, ordered)))
+            self.where = [(paths[id(t.file)], t.start) for t in map(loc.__getitem__, ordered)]
+            self.gids = name_gids if ordered is names else list(map(dict(zip(names, name_gids)).__getitem__, ordered))
+        self._sorted_gids = name_gids
         self._counts: Counter[int] | None = None
         # '"name":' in file order, and in name order escaped as the content of a JSON string (the
         # metadata's "tensors" value), each with a comma before it but the first
