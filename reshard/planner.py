@@ -260,12 +260,12 @@ class RankPlanner:
         # '"name":' in file order, and in name order escaped as the content of a JSON string (the
         # metadata's "tensors" value), each with a comma before it but the first
         if len(_json_str("".join(names))) == 2 + sum(map(len, names)):  # no name needs escaping
-            self._quoted = _separated([f'"{n}":' for n in ordered])
-            self._sorted_quoted = _separated([f'\\"{n}\\":' for n in names])
+            self._quoted = _first_bare([f',"{n}":' for n in ordered])
+            self._sorted_quoted = _first_bare([f',\\"{n}\\":' for n in names])
         else:
             quoted = {n: _json_str(n) + ":" for n in names}
-            self._quoted = _separated([quoted[n] for n in ordered])
-            self._sorted_quoted = _separated([_json_str(q)[1:-1] for q in quoted.values()])
+            self._quoted = _first_bare(["," + quoted[n] for n in ordered])
+            self._sorted_quoted = _first_bare(["," + _json_str(q)[1:-1] for q in quoted.values()])
         self._layouts: dict[int, list[_Layout]] = {}
         self._entries: tuple[Any, array[int], str] | None = None  # the last rank's header entries
 
@@ -330,10 +330,10 @@ class RankPlanner:
                        entry + ',"data_offsets":[')
 
 
-def _separated(items: list[str]) -> list[str]:
-    """`items` with a comma before each but the first: joined, they are `",".join(items)`."""
+def _first_bare(items: list[str]) -> list[str]:
+    """Comma-led `items` with the first comma dropped: joined, they are `",".join` of the bare ones."""
     if items:
-        items[1:] = ["," + x for x in items[1:]]
+        items[0] = items[0][1:]
     return items
 
 
