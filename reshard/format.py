@@ -12,6 +12,7 @@ import math
 import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from itertools import repeat
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol
@@ -52,6 +53,9 @@ class TensorInfo(NamedTuple):
     @property
     def itemsize(self) -> int:
         return DTYPE_SIZES[self.dtype]
+
+
+_new_info = partial(tuple.__new__, TensorInfo)  # TensorInfo from a 6-tuple, in C (`_make` is a Python call)
 
 
 @dataclass(frozen=True)
@@ -109,7 +113,7 @@ def header_from(path: Any, head: bytes, *, size: int, mtime_ns: int = 0,
     head = head[:header_len]
     _, metadata, cols = parse_columns(head, path=path, file_size=size)
     starts = map(header_len.__add__, cols.begins)
-    infos = map(TensorInfo._make, zip(cols.names, cols.dtypes, cols.shapes, repeat(path), starts, cols.sizes))
+    infos = map(_new_info, zip(cols.names, cols.dtypes, cols.shapes, repeat(path), starts, cols.sizes))
     return FileInfo(path, size, mtime_ns, header_len, metadata, version), dict(zip(cols.names, infos))
 
 
