@@ -268,7 +268,7 @@ def resolve_rules(ckpt_tensors: Sequence[str], manifest: Manifest, *, strict: bo
             f"{len(unmatched)} tensors match no rule and the manifest is strict, e.g. {unmatched[0]!r}; "
             "add a rule (kind replicate for norms) or drop `strict`"
         )
-    used = {id(r) for r in chosen.values()}
+    used = set(map(id, chosen.values()))
     unused = [f"rule {r.pattern!r} ({r.kind}) matches no tensor" for r in manifest.rules if id(r) not in used]
     if unused and strict:
         raise PlanError(f"{unused[0]}; {len(unused)} such rules under --strict")

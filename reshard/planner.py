@@ -18,11 +18,11 @@ import json
 import math
 from array import array
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 from json.encoder import encode_basestring_ascii as _json_str  # type: ignore[attr-defined]
-from operator import sub
+from operator import attrgetter, sub
 from typing import Any, overload
 
 from reshard.format import DTYPE_SIZES, GlobalTensor
@@ -223,7 +223,8 @@ class RankPlanner:
         infos = getattr(tensors, "infos", None)  # format.WholeTensors: every tensor is one whole piece
         if infos is not None:
             # grouped by (rule, name suffix, shape, dtype), read from the TensorInfos (no GlobalTensor made)
-            keys = [(id(rules[n]), n[n.rfind(".") :] if "." in n else "", t.shape, t.dtype) for n, t in infos.items()]
+            keys = list(zip(map(id, map(rules.__getitem__, infos)), [n[n.rfind(".") :] if "." in n else "" for n in infos],
+                            map(attrgetter("shape"), infos.values()), map(attrgetter("dtype"), infos.values())))
             meta, loc = infos, infos  # each tensor's dtype and shape; where it starts
         else:  # the same for tensors stored whole in one file; others are planned alone
             full = {shape: full_selection(shape) for shape in {gt.shape for gt in tensors.values()}}
@@ -246,14 +247,13 @@ class RankPlanner:
             for n in names:
                 by_size.setdefault(DTYPE_SIZES[meta[n].dtype], []).append(n)
             ordered = [n for size in sorted(by_size, reverse=True) for n in by_size[size]]
-        paths = {i: str(f) for i, f in {id(t.file): t.file for t in loc.values()}.items()}
         if in_order and ordered is names:
             self.order = list(meta.items())  # (name, its dtype and shape)
-            self.where = [(paths[id(t.file)], t.start) for t in loc.values()]
+            self.where = _places(loc.values())
             self.gids = name_gids
         else:
             self.order = list(zip(ordered, map(meta.__getitem__, ordered)))
-            self.where = [(paths[id(t.file)], t.start) for t in map(loc.__getitem__, ordered)]
+            self.where = _places(map(loc.__getitem__, ordered))
             self.gids = name_gids if ordered is names else list(map(dict(zip(names, name_gids)).__getitem__, ordered))
         self._sorted_gids = name_gids
         self._counts: Counter[int] | None = None
@@ -328,6 +328,16 @@ class RankPlanner:
         return _Layout(sel, shape, nbytes, read, probe.replicated, segments, str(info.file), info.start,
                        json.dumps(probe.describe(), separators=_COMPACT, sort_keys=True),
                        entry + ',"data_offsets":[')
+
+
+def _places(infos: Iterable[Any]) -> list[tuple[str, int]]:
+    """(file as a string, start) of each TensorInfo; a file's tensors usually share its path object,
+    so each is made a string once."""
+    infos = list(infos)
+    files = list(map(attrgetter("file"), infos))
+    ids = list(map(id, files))
+    paths = {i: str(f) for i, f in dict(zip(ids, files)).items()}
+    return list(zip(map(paths.__getitem__, ids), map(attrgetter("start"), infos)))
 
 
 def _first_bare(items: list[str]) -> list[str]:
