@@ -222,17 +222,17 @@ def _checked(names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[tuple
 
 # Headers as safetensors writes them: compact JSON, the metadata first, each entry's keys in the order
 # dtype, shape, data_offsets, then spaces. One regex reads the entries' fields as strings.
-_NUM = "(?:0|[1-9][0-9]*)"  # a JSON integer that is not negative
-_ENTRY = re.compile(rf'"([^"\\\x00-\x1f]*)":\{{"dtype":"([A-Z0-9_]+)","shape":\[((?:{_NUM}(?:,{_NUM})*)?)\],'
-                    rf'"data_offsets":\[({_NUM}),({_NUM})\]\}}(,?)')
+_ENTRY = re.compile(r'"([^"]*)":\{"dtype":"([A-Z0-9_]+)","shape":\[([0-9,]*)\],"data_offsets":\[([0-9]+),([0-9]+)\]\}(,?)')
+_DIMS = re.compile(r"(?:[0-9]+(?:,[0-9]+)*)?")
+_LEADING_ZERO = re.compile(r"[\[,]0[0-9]")  # JSON has no 01 (false alarms in names only cost the fast path)
 _ENTRY_CHARS = len('"":{"dtype":"","shape":[],"data_offsets":[,]}')  # an entry's characters outside its fields
 _METADATA = json.JSONDecoder(object_pairs_hook=_unique_pairs)
 
 
 def _canonical_parse(text: str, data_len: int) -> tuple[None, dict[str, str], Columns] | None:
     """What `parse_columns` returns for a header as safetensors writes it that passes every check,
-    read with one regex over its entries (their names hold no escape, no quote, no control
-    character: the text is the name); None for any other header (then `_fast_parse` decides)."""
+    read with one regex over its entries (their names hold no escape and no control character: the
+    text is the name); None for any other header (then `_fast_parse` decides)."""
     body = text.rstrip(" ")
     if not (body.startswith("{") and body.endswith("}")):
         return None
@@ -248,6 +248,9 @@ def _canonical_parse(text: str, data_len: int) -> tuple[None, dict[str, str], Co
             return None
         pos += 1
     entries = body[pos:-1]
+    # no escape and no control character anywhere (a name is then its text), no number with a leading 0
+    if "\\" in entries or not entries.isprintable() or _LEADING_ZERO.search(entries):
+        return None
     rows = _ENTRY.findall(entries)
     if not rows:
         return None
@@ -260,7 +263,9 @@ def _canonical_parse(text: str, data_len: int) -> tuple[None, dict[str, str], Co
         return None
     if "__metadata__" in names or len(set(names)) != n or not set(dtypes) <= DTYPE_SIZES.keys():
         return None
-    dims = {s: tuple(map(int, s.split(","))) if s else () for s in set(shapes)}
+    dims = {s: tuple(map(int, s.split(","))) if s else () for s in set(shapes) if _DIMS.fullmatch(s)}
+    if len(dims) != len(set(shapes)):  # a shape like [1,,2]
+        return None
     cols = _checked(names, dtypes, list(map(dims.__getitem__, shapes)), list(map(int, begins)), list(map(int, ends)),
                     data_len)
     return None if cols is None else (None, metadata, cols)

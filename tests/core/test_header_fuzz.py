@@ -241,6 +241,11 @@ LOOK_ALIKES = {  # texts close to what safetensors writes, each wrong (or odd) i
     "unknown dtype": '{"a":{"dtype":"F33","shape":[1],"data_offsets":[0,4]},"b":' + E4 % (4, 8) + "}",
     "out of order": '{"b":' + E4 % (4, 8) + ',"a":' + E4 % (0, 4) + "}",
     "garbage between": '{"a":' + E4 % (0, 4) + ',x"b":' + E4 % (4, 8) + "}",
+    "an empty dimension": '{"a":{"dtype":"U8","shape":[2,,2],"data_offsets":[0,4]},"b":' + E4 % (4, 8) + "}",
+    "a comma ending a shape": '{"a":{"dtype":"U8","shape":[4,],"data_offsets":[0,4]},"b":' + E4 % (4, 8) + "}",
+    "a control character in a name": '{"a\x01":' + E4 % (0, 4) + ',"b":' + E4 % (4, 8) + "}",
+    "a tab in a name": '{"a\t":' + E4 % (0, 4) + ',"b":' + E4 % (4, 8) + "}",
+    "non-ASCII names": '{"ä":' + E4 % (0, 4) + ',"名":' + E4 % (4, 8) + "}",
 }
 
 
