@@ -223,8 +223,9 @@ def _checked(names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[tuple
 # Headers as safetensors writes them: compact JSON, the metadata first, each entry's keys in the order
 # dtype, shape, data_offsets, then spaces. One regex reads the entries' fields as strings.
 _ENTRY = re.compile(r'"([^"]*)":\{"dtype":"([A-Z0-9_]+)","shape":\[([0-9,]*)\],"data_offsets":\[([0-9]+),([0-9]+)\]\}(,?)')
-_DIMS = re.compile(r"(?:[0-9]+(?:,[0-9]+)*)?")
-_LEADING_ZERO = re.compile(r"[\[,]0[0-9]")  # JSON has no 01 (false alarms in names only cost the fast path)
+_NUM = "(?:0|[1-9][0-9]*)"  # a JSON integer that is not negative (no 01)
+_DIMS = re.compile(rf"(?:{_NUM}(?:,{_NUM})*)?")
+_PRINTABLE = bytes(range(0x20, 0x7F))
 _ENTRY_CHARS = len('"":{"dtype":"","shape":[],"data_offsets":[,]}')  # an entry's characters outside its fields
 _METADATA = json.JSONDecoder(object_pairs_hook=_unique_pairs)
 
@@ -248,8 +249,7 @@ def _canonical_parse(text: str, data_len: int) -> tuple[None, dict[str, str], Co
             return None
         pos += 1
     entries = body[pos:-1]
-    # no escape and no control character anywhere (a name is then its text), no number with a leading 0
-    if "\\" in entries or not entries.isprintable() or _LEADING_ZERO.search(entries):
+    if "\\" in entries:  # an escape: a name is not its text
         return None
     rows = _ENTRY.findall(entries)
     if not rows:
@@ -263,11 +263,15 @@ def _canonical_parse(text: str, data_len: int) -> tuple[None, dict[str, str], Co
         return None
     if "__metadata__" in names or len(set(names)) != n or not set(dtypes) <= DTYPE_SIZES.keys():
         return None
-    dims = {s: tuple(map(int, s.split(","))) if s else () for s in set(shapes) if _DIMS.fullmatch(s)}
-    if len(dims) != len(set(shapes)):  # a shape like [1,,2]
+    text_names = "".join(names)  # the only fields a control character (not allowed in JSON) could be in
+    if not (text_names.encode("ascii").translate(None, _PRINTABLE) == b"" if text_names.isascii()
+            else text_names.isprintable()):
         return None
-    cols = _checked(names, dtypes, list(map(dims.__getitem__, shapes)), list(map(int, begins)), list(map(int, ends)),
-                    data_len)
+    dims = {s: tuple(map(int, s.split(","))) if s else () for s in set(shapes) if _DIMS.fullmatch(s)}
+    starts, stops = list(map(int, begins)), list(map(int, ends))
+    if len(dims) != len(set(shapes)) or sum(map(len, chain(begins, ends))) != sum(map(len, map(str, chain(starts, stops)))):
+        return None  # a shape like [1,,2], a number like 01 (longer than the int's own digits)
+    cols = _checked(names, dtypes, list(map(dims.__getitem__, shapes)), starts, stops, data_len)
     return None if cols is None else (None, metadata, cols)
 
 
