@@ -22,6 +22,4 @@ def paused_gc() -> Iterator[None]:
         yield
     finally:
         if enabled:
-            gc.freeze()  # what the block made goes to the oldest generation at once (a list splice),
-            gc.unfreeze()  # instead of one pass of the young generation's collection over all of it
             gc.enable()

@@ -26,6 +26,7 @@ import json
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from operator import attrgetter
 from pathlib import Path
 from typing import Any
 
@@ -80,8 +81,10 @@ class Manifest:
         combined = self._combined
         if combined is None:
             return [self.match(n) for n in names]
-        rules, full = (None, *self.rules), combined.fullmatch
-        return [rules[m.lastindex] if (m := full(n)) is not None else None for n in names]  # type: ignore[union-attr]
+        rules, found = (None, *self.rules), list(map(combined.fullmatch, names))
+        if None not in found:  # every name matched some rule: the rest in C as well
+            return list(map(rules.__getitem__, map(attrgetter("lastindex"), found)))  # type: ignore[arg-type]
+        return [None if m is None else rules[m.lastindex] for m in found]  # type: ignore[index]
 
     @functools.cached_property
     def _combined(self) -> re.Pattern[str] | None:
