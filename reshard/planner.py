@@ -294,7 +294,7 @@ class RankPlanner:
             ends = array("q", accumulate(map(sizes.__getitem__, self.gids)))
             stops = list(map(str, ends))  # a tensor begins where the one before it ends
             n = len(stops)
-            entries = "".join(_rows(self._quoted, list(map(heads.__getitem__, self.gids)), ["0", *stops[:-1]],
+            entries = "".join(_rows(self._quoted, list(map(heads.__getitem__, self.gids)), ["0", *stops[:-1]][:n],
                                     [","] * n, stops, ["]}"] * n))
             self._entries = ((sizes, heads), ends, entries)
         # JSON string escaping is done character by character, so the escaped "tensors" value is the

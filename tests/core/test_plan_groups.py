@@ -72,10 +72,14 @@ def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
                "l.2:x.col.weight": torch.randn(8, 4, generator=g), "l.3.row.weight": torch.randn(4, 8, generator=g).half(),
                "empty.weight": torch.zeros(0, 4)}, odd / "model.safetensors")
     (odd / "reshard-rules.yaml").write_text(MIXED_RULES)
-    return {"mixed": d, "llama": llama, "phi3": phi3, "shards": root / "mixed-tp4", "odd": odd}
+    empty = root / "empty"  # no tensor at all
+    empty.mkdir()
+    save_file({}, empty / "model.safetensors")
+    (empty / "reshard-rules.yaml").write_text(MIXED_RULES)
+    return {"mixed": d, "llama": llama, "phi3": phi3, "shards": root / "mixed-tp4", "odd": odd, "empty": empty}
 
 
-@pytest.mark.parametrize("name", ["mixed", "llama", "phi3", "shards", "odd"])
+@pytest.mark.parametrize("name", ["mixed", "llama", "phi3", "shards", "odd", "empty"])
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_grouped_plan_equals_tensor_by_tensor_plan(sources: dict[str, Path], name: str, tp: int) -> None:
     ckpt, manifest = open_source(sources[name])
@@ -113,7 +117,7 @@ def stream_index(stream: RankStream) -> list[tuple[int, Any]]:
     return [(start, "header" if isinstance(piece, bytes) else piece) for start, piece in zip(stream._starts, stream._pieces)]
 
 
-@pytest.mark.parametrize("name", ["mixed", "llama", "phi3", "shards", "odd"])
+@pytest.mark.parametrize("name", ["mixed", "llama", "phi3", "shards", "odd", "empty"])
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_piece_index_equals_the_one_built_from_the_tensors(sources: dict[str, Path], name: str, tp: int) -> None:
     ckpt, manifest = open_source(sources[name])
