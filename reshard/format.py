@@ -1,9 +1,8 @@
-"""Safetensors headers: read and validate every header before any tensor byte; multi-file checkpoints.
+"""Safetensors files and checkpoints: read and validate every header before any tensor byte.
 
-A safetensors file is `u64 little-endian N | N bytes of JSON header | data region`. The header maps
-tensor names to `{"dtype", "shape", "data_offsets": [begin, end]}` (offsets relative to the data
-region) plus an optional `__metadata__` string->string map. `read_header` checks everything a reader
-could trip on; `Checkpoint.open` does it for a whole HF checkpoint directory.
+`read_header` reads one file's header and validates it (`reshard.headers`: the blob's format and
+every check a reader could trip on); `Checkpoint.open` does it for a whole HF checkpoint directory
+(index.json, model.safetensors, or every *.safetensors file).
 """
 
 from __future__ import annotations
@@ -11,31 +10,38 @@ from __future__ import annotations
 import json
 import math
 import os
-import struct
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from functools import partial
+from itertools import repeat
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
-from reshard.errors import CheckpointError, HeaderError
+from reshard.errors import CheckpointError
+from reshard.gcpause import paused_gc
+from reshard.headers import (
+    DTYPE_SIZES,
+    MAX_HEADER_BYTES,
+    encode_header,
+    header_bytes_wanted,
+    parse_columns,
+    parse_header,
+)
 from reshard.loaders import full_selection
 
-MAX_HEADER_BYTES = 100 * 1000 * 1000
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
-
-# safetensors dtype name -> item size in bytes
-DTYPE_SIZES: dict[str, int] = {
-    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
-    "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
-    "I32": 4, "U32": 4, "F32": 4,
-    "I64": 8, "U64": 8, "F64": 8, "C64": 8,
-}
+__all__ = ["CONFIG_NAME", "DTYPE_SIZES", "INDEX_NAME", "MAX_HEADER_BYTES", "SINGLE_NAME", "Checkpoint", "Directory",
+           "FileInfo", "GlobalTensor", "LocalDirectory", "Piece", "Source", "TensorInfo", "WholeTensors",
+           "encode_header", "files_identity", "header_bytes_wanted", "header_from", "parse_header", "read_header",
+           "read_json"]
 
 
-@dataclass(frozen=True)
-class TensorInfo:
-    """Where one tensor lives: `start` is its absolute byte offset in `file`."""
+class TensorInfo(NamedTuple):
+    """Where one tensor lives: `start` is its absolute byte offset in `file`. (A named tuple: a
+    checkpoint has one per tensor, 100,000 for an MoE model, made from the header's columns at the
+    speed of tuples.)"""
 
     name: str
     dtype: str
@@ -47,6 +53,9 @@ class TensorInfo:
     @property
     def itemsize(self) -> int:
         return DTYPE_SIZES[self.dtype]
+
+
+_new_info = partial(tuple.__new__, TensorInfo)  # TensorInfo from a 6-tuple, in C (`_make` is a Python call)
 
 
 @dataclass(frozen=True)
@@ -96,149 +105,16 @@ class FileInfo:
         return (self.size, self.mtime_ns if self.version is None else self.version)
 
 
-def _fail(path: Path | str, msg: str) -> HeaderError:
-    return HeaderError(f"{path}: {msg}")
-
-
-class _Duplicate(ValueError):
-    pass
-
-
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise _Duplicate(f"duplicate name {key!r} in the header")
-        out[key] = value
-    return out
-
-
-def parse_header(raw: bytes, *, path: Path | str, file_size: int) -> tuple[dict[str, Any], dict[str, str]]:
-    """Validate a complete header blob (8-byte length + JSON); return (tensors, metadata).
-
-    `file_size` is the size of the whole file, so the data region can be checked to end exactly there.
-    """
-    if len(raw) < 8:
-        raise _fail(path, f"file is {len(raw)} bytes, too short for the 8-byte header length")
-    (n,) = struct.unpack("<Q", raw[:8])
-    if n == 0:
-        raise _fail(path, "header length is 0; not a safetensors file")
-    if n > MAX_HEADER_BYTES:
-        raise _fail(path, f"header length {n} exceeds the {MAX_HEADER_BYTES}-byte limit; not a safetensors file?")
-    if 8 + n > file_size:
-        raise _fail(path, f"header length {n} runs past the end of the {file_size}-byte file (truncated?)")
-    if len(raw) < 8 + n:
-        raise _fail(path, f"header truncated: {len(raw) - 8} of {n} bytes")
-    blob = raw[8 : 8 + n]
-    try:
-        text = blob.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise _fail(path, f"header is not valid UTF-8 (byte {e.start})") from None
-    try:
-        obj = json.loads(text, object_pairs_hook=_no_duplicates)
-    except _Duplicate as e:
-        raise _fail(path, str(e)) from None
-    except (ValueError, RecursionError) as e:  # RecursionError: absurdly deep nesting
-        raise _fail(path, f"header is not valid JSON: {e}") from None
-    if not isinstance(obj, dict):
-        raise _fail(path, f"header is a JSON {type(obj).__name__}, not an object")
-    metadata = obj.pop("__metadata__", None)
-    metadata = {} if metadata is None else metadata
-    if not isinstance(metadata, dict) or not all(_is_text(k) and _is_text(v) for k, v in metadata.items()):
-        raise _fail(path, "__metadata__ must map strings to strings")
-    data_len = file_size - 8 - n
-    spans: list[tuple[int, int, str]] = []
-    for name, entry in obj.items():
-        _check_entry(path, name, entry)
-        begin, end = entry["data_offsets"]
-        spans.append((begin, end, name))
-    spans.sort()
-    pos = 0
-    prev = None
-    for begin, end, name in spans:
-        if begin < pos:
-            raise _fail(path, f"tensor {name!r}: data_offsets [{begin}, {end}] overlap {prev!r} (which ends at {pos})")
-        if begin > pos:
-            raise _fail(path, f"tensor {name!r}: hole of {begin - pos} bytes before it (data_offsets start at {begin}, expected {pos})")
-        pos, prev = end, name
-    if pos != data_len:
-        if pos > data_len:
-            raise _fail(path, f"data region is {data_len} bytes but tensors need {pos} (truncated download?)")
-        raise _fail(path, f"{data_len - pos} trailing bytes after the last tensor (data region {data_len}, tensors end at {pos})")
-    return obj, metadata
-
-
-def _is_text(s: Any) -> bool:
-    """A str that is valid Unicode (JSON `\\ud800` escapes decode to lone surrogates, which safetensors refuses)."""
-    if not isinstance(s, str):
-        return False
-    try:
-        s.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
-def _check_entry(path: Path | str, name: str, entry: Any) -> None:
-    if "\x00" in name:
-        raise _fail(path, f"tensor name {name!r} contains a NUL byte")
-    if not _is_text(name):
-        raise _fail(path, f"tensor name {name!r} is not valid Unicode (lone surrogate escape)")
-    if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
-        raise _fail(path, f"tensor {name!r}: entry must have exactly dtype, shape, data_offsets; got {entry!r}"[:300])
-    dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
-    if dtype not in DTYPE_SIZES:
-        raise _fail(path, f"tensor {name!r}: unknown dtype {dtype!r}; known: {', '.join(DTYPE_SIZES)}")
-    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
-        raise _fail(path, f"tensor {name!r}: shape {shape!r} must be a list of non-negative integers")
-    if (
-        not isinstance(offsets, list)
-        or len(offsets) != 2
-        or not all(type(o) is int and o >= 0 for o in offsets)
-        or offsets[0] > offsets[1]
-    ):
-        raise _fail(path, f"tensor {name!r}: data_offsets {offsets!r} must be two non-negative integers [begin, end]")
-    numel = math.prod(shape)
-    expected = numel * DTYPE_SIZES[dtype]
-    if expected > 2**62:
-        raise _fail(path, f"tensor {name!r}: shape {shape} is absurdly large ({numel} elements)")
-    if offsets[1] - offsets[0] != expected:
-        raise _fail(
-            path,
-            f"tensor {name!r}: {offsets[1] - offsets[0]} bytes in data_offsets {offsets} but shape {shape} x {dtype} needs {expected}",
-        )
-
-
-def encode_header(meta: dict[str, str], entries: list[tuple[str, str, tuple[int, ...], int, int]]) -> bytes:
-    """Header bytes (length prefix included) for (name, dtype, shape, begin, end) entries, padded to 8."""
-    header: dict[str, Any] = {"__metadata__": meta}
-    for name, dtype, shape, begin, end in entries:
-        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [begin, end]}
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)
-    return len(blob).to_bytes(8, "little") + blob
-
-
-def header_bytes_wanted(head: bytes, file_size: int) -> int:
-    """How many bytes from the start of the file the header needs, given its first bytes (at least 8):
-    8 + N when N is plausible, else 8 (then `parse_header` says what is wrong)."""
-    (n,) = struct.unpack("<Q", head[:8])
-    return 8 + n if 0 < n <= MAX_HEADER_BYTES and 8 + n <= file_size else 8
-
-
 def header_from(path: Any, head: bytes, *, size: int, mtime_ns: int = 0,
                 version: str | None = None) -> tuple[FileInfo, dict[str, TensorInfo]]:
     """Validate the header in `head` (the file's first bytes: the 8-byte length, then the JSON; extra
     bytes are ignored) of a file of `size` bytes; no tensor byte is needed."""
     header_len = header_bytes_wanted(head, size) if len(head) >= 8 else len(head)
     head = head[:header_len]
-    entries, metadata = parse_header(head, path=path, file_size=size)
-    tensors = {
-        name: TensorInfo(name, e["dtype"], tuple(e["shape"]), path, header_len + e["data_offsets"][0],
-                         e["data_offsets"][1] - e["data_offsets"][0])
-        for name, e in entries.items()
-    }
-    return FileInfo(path, size, mtime_ns, header_len, metadata, version), tensors
+    _, metadata, cols = parse_columns(head, path=path, file_size=size)
+    starts = map(header_len.__add__, cols.begins)
+    infos = map(_new_info, zip(cols.names, cols.dtypes, cols.shapes, repeat(path), starts, cols.sizes))
+    return FileInfo(path, size, mtime_ns, header_len, metadata, version), dict(zip(cols.names, infos))
 
 
 def read_header(path: Path) -> tuple[FileInfo, dict[str, TensorInfo]]:
@@ -311,7 +187,7 @@ class Source(Protocol):
     files: list[FileInfo]
     config: dict[str, Any] | None
 
-    def global_tensors(self) -> dict[str, GlobalTensor]: ...
+    def global_tensors(self) -> Mapping[str, GlobalTensor]: ...
 
     def identity(self) -> dict[str, Any]: ...
 
@@ -328,6 +204,7 @@ class Checkpoint:
     config: dict[str, Any] | None = None
 
     @classmethod
+    @paused_gc()
     def open(cls, path: str | os.PathLike[str]) -> Checkpoint:
         """Open a checkpoint directory (model.safetensors, or index.json + files) or one .safetensors file."""
         path = Path(path)
@@ -339,6 +216,7 @@ class Checkpoint:
         return cls.from_directory(LocalDirectory(path))
 
     @classmethod
+    @paused_gc()  # (as for every open below: no collector passes over the many new objects)
     def from_directory(cls, d: Directory) -> Checkpoint:
         """A checkpoint from its directory: index.json and the files it names, else model.safetensors,
         else every *.safetensors file (where the directory can be listed)."""
@@ -350,10 +228,12 @@ class Checkpoint:
             for fname in names:
                 if Path(fname).name != fname or not d.is_file(fname):
                     raise CheckpointError(f"{index}: names file {fname!r}, which is missing from {d.root}")
-            ckpt = cls._from_files(d, names, config)
+            files, tensors, found = _headers(d, names)
+            ckpt = cls(d.root, files, tensors, config)
+            if found == weight_map:
+                return ckpt
             for tname, fname in weight_map.items():
-                info = ckpt.tensors.get(tname)
-                if info is None or info.file.name != fname:
+                if found.get(tname) != fname:
                     raise CheckpointError(f"{index}: tensor {tname!r} is not in {fname}")
             extra = set(ckpt.tensors) - set(weight_map)
             if extra:
@@ -370,33 +250,44 @@ class Checkpoint:
 
     @classmethod
     def _from_files(cls, d: Directory, names: list[str], config: dict[str, Any] | None) -> Checkpoint:
-        files: list[FileInfo] = []
-        tensors: dict[str, TensorInfo] = {}
-        for name in names:
-            info, ts = d.header(name)
-            files.append(info)
-            for tname, t in ts.items():
-                if tname in tensors:
-                    raise CheckpointError(f"tensor {tname!r} is in both {tensors[tname].file.name} and {name}")
-                tensors[tname] = t
-        return cls(d.root, files, dict(sorted(tensors.items())), config)
+        files, tensors, _ = _headers(d, names)
+        return cls(d.root, files, tensors, config)
 
-    def global_tensors(self) -> dict[str, GlobalTensor]:
+    def global_tensors(self) -> WholeTensors:
         """Every tensor as one piece covering all of it (tensors of one shape share the selection)."""
-        full: dict[tuple[int, ...], Any] = {}
-        out = {}
-        for name, t in self.tensors.items():
-            sel = full.get(t.shape)
-            if sel is None:
-                sel = full[t.shape] = full_selection(t.shape)
-            out[name] = GlobalTensor(name, t.dtype, t.shape, (Piece(t, sel),))
-        return out
+        return WholeTensors(self.tensors)
 
     def identity(self) -> dict[str, Any]:
         return files_identity(self.files)
 
     def total_bytes(self) -> int:
         return sum(t.nbytes for t in self.tensors.values())
+
+
+class WholeTensors(Mapping[str, GlobalTensor]):
+    """A checkpoint's tensors as global tensors of one piece covering all of it, each made when it
+    is read (equal to the last, not the same object). `infos` are the `TensorInfo`s behind them, for
+    a caller that needs no more than where each tensor lives (`reshard.planner`)."""
+
+    def __init__(self, infos: dict[str, TensorInfo]) -> None:
+        self.infos = infos
+        self._full: dict[tuple[int, ...], Any] = {}
+
+    def __getitem__(self, name: str) -> GlobalTensor:
+        t = self.infos[name]
+        select = self._full.get(t.shape)
+        if select is None:
+            select = self._full[t.shape] = full_selection(t.shape)
+        return GlobalTensor(t.name, t.dtype, t.shape, (Piece(t, select),))
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.infos)
+
+    def __len__(self) -> int:
+        return len(self.infos)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.infos
 
 
 def read_json(d: Directory, name: str) -> Any:
@@ -416,9 +307,25 @@ def _read_config(d: Directory) -> dict[str, Any] | None:
     return obj
 
 
+def _headers(d: Directory, names: list[str]) -> tuple[list[FileInfo], dict[str, TensorInfo], dict[str, str]]:
+    """The files' headers: their FileInfos, every tensor (in name order), and the file name of each."""
+    files: list[FileInfo] = []
+    tensors: dict[str, TensorInfo] = {}
+    found: dict[str, str] = {}
+    for name in names:
+        info, ts = d.header(name)
+        files.append(info)
+        if not tensors.keys().isdisjoint(ts):
+            tname = next(t for t in ts if t in tensors)
+            raise CheckpointError(f"tensor {tname!r} is in both {tensors[tname].file.name} and {name}")
+        tensors.update(ts)
+        found.update(dict.fromkeys(ts, name))
+    return files, {name: tensors[name] for name in sorted(tensors)}, found
+
+
 def _read_index(d: Directory) -> dict[str, str]:
     obj = read_json(d, INDEX_NAME)
     wm = obj.get("weight_map") if isinstance(obj, dict) else None
-    if not isinstance(wm, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in wm.items()):
+    if not isinstance(wm, dict) or not set(map(type, wm.values())) <= {str}:  # (JSON keys are strings)
         raise CheckpointError(f"{d.path(INDEX_NAME)}: must be an object with a 'weight_map' of tensor name -> file name")
     return wm

@@ -20,11 +20,13 @@ present, else the plan transformers declares for its `model_type` (installed, or
 from __future__ import annotations
 
 import fnmatch
+import functools
 import hashlib
 import json
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from operator import attrgetter
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +74,32 @@ class Manifest:
                 return rule
         return None
 
+    def match_all(self, names: Iterable[str]) -> list[Rule | None]:
+        """`[self.match(n) for n in names]`, with one regex for all the rules where they combine: an
+        alternation of the rules' patterns, each in a group, matches the whole name with the first
+        rule that does (the regex engine tries the alternatives in order), and says which."""
+        combined = self._combined
+        if combined is None:
+            return [self.match(n) for n in names]
+        rules, found = (None, *self.rules), list(map(combined.fullmatch, names))
+        if None not in found:  # every name matched some rule: the rest in C as well
+            return list(map(rules.__getitem__, map(attrgetter("lastindex"), found)))  # type: ignore[arg-type]
+        return [None if m is None else rules[m.lastindex] for m in found]  # type: ignore[index]
+
+    @functools.cached_property
+    def _combined(self) -> re.Pattern[str] | None:
+        """`(rule 1)|(rule 2)|...`, or None where a rule matches by more than its pattern (a subclass's
+        `matches`) or its own groups (or flags) would not survive the alternation."""
+        if not self.rules or any(type(r).matches is not Rule.matches for r in self.rules):
+            return None
+        patterns = [r._re for r in self.rules]  # type: ignore[attr-defined]
+        if any(p.groups or p.flags & ~re.UNICODE for p in patterns):
+            return None
+        try:
+            return re.compile("|".join(f"({p.pattern})" for p in patterns))
+        except re.error:  # e.g. a global flag such as (?i) that must start the pattern
+            return None
+
     def to_dict(self) -> dict[str, Any]:
         return {"strict": self.strict, "rules": [r.to_dict() for r in self.rules]}
 
@@ -112,11 +140,16 @@ class Manifest:
             text = path.read_text(encoding="utf-8")
         except OSError as e:
             raise ManifestError(f"{path}: cannot read rules file: {e.strerror}") from None
-        import yaml
+        if path.suffix == ".json":  # (yaml is imported only for YAML: a JSON rules file opens without it)
+            errors: tuple[type[Exception], ...] = (ValueError,)
+            parse: Callable[[str], Any] = json.loads
+        else:
+            import yaml
 
+            errors, parse = (ValueError, yaml.YAMLError), yaml.safe_load
         try:
-            obj = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
-        except (ValueError, yaml.YAMLError) as e:
+            obj = parse(text)
+        except errors as e:
             first = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise ManifestError(f"{path}: not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {first}") from None
         return cls.from_dict(obj, source=f"rules file {path}")

@@ -258,20 +258,17 @@ def tensor_selection(name: str, shape: tuple[int, ...], rule: Rule, rank: int, t
 
 def resolve_rules(ckpt_tensors: Sequence[str], manifest: Manifest, *, strict: bool = False) -> tuple[dict[str, Rule], list[str]]:
     """Each tensor's rule (default replicate) and warnings for rules that match nothing."""
-    chosen: dict[str, Rule] = {}
-    unmatched = []
-    for name in ckpt_tensors:
-        rule = manifest.match(name)
-        if rule is None:
-            unmatched.append(name)
-            rule = _REPLICATE
-        chosen[name] = rule
+    matched = manifest.match_all(ckpt_tensors)
+    chosen: dict[str, Rule] = dict(zip(ckpt_tensors, matched))  # type: ignore[arg-type]
+    unmatched = [name for name, rule in chosen.items() if rule is None]
+    for name in unmatched:
+        chosen[name] = _REPLICATE
     if unmatched and manifest.strict:
         raise PlanError(
             f"{len(unmatched)} tensors match no rule and the manifest is strict, e.g. {unmatched[0]!r}; "
             "add a rule (kind replicate for norms) or drop `strict`"
         )
-    used = {id(r) for r in chosen.values()}
+    used = set(map(id, chosen.values()))
     unused = [f"rule {r.pattern!r} ({r.kind}) matches no tensor" for r in manifest.rules if id(r) not in used]
     if unused and strict:
         raise PlanError(f"{unused[0]}; {len(unused)} such rules under --strict")

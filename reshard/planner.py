@@ -14,19 +14,19 @@ with the per-tensor planner's output on a large synthetic checkpoint).
 
 from __future__ import annotations
 
-import gc
 import json
 import math
 from array import array
 from collections import Counter
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 from json.encoder import encode_basestring_ascii as _json_str  # type: ignore[attr-defined]
+from operator import attrgetter, sub
 from typing import Any, overload
 
 from reshard.format import DTYPE_SIZES, GlobalTensor
+from reshard.gcpause import paused_gc
 from reshard.loaders import Selection, full_selection, selection_shape
 from reshard.manifest import Rule
 from reshard.plan import (
@@ -42,21 +42,10 @@ from reshard.plan import (
 )
 from reshard.reads import bytes_read
 
+__all__ = ["LazyRanks", "Pieces", "PlannedTensors", "RankPlanner", "paused_gc"]
+
 _COMPACT = (",", ":")
 _new = object.__new__
-
-
-@contextmanager
-def paused_gc() -> Iterator[None]:
-    """No cyclic garbage collection inside: planning makes ~10 objects per tensor and no cycles, and
-    with 100,000 tensors the collector's full passes over them cost more than the planning itself."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 @dataclass(frozen=True)
@@ -93,6 +82,7 @@ class PlannedTensors(Sequence[OutTensor]):
 
     def __init__(self, planner: RankPlanner, layouts: list[_Layout], ends: array[int]) -> None:
         self._planner, self._layouts, self._ends = planner, layouts, ends
+        self._index: tuple[array[int], Pieces] | None = None
 
     def __len__(self) -> int:
         return len(self._ends)
@@ -129,9 +119,47 @@ class PlannedTensors(Sequence[OutTensor]):
 
     def stats(self) -> tuple[int, int]:
         """(replicated bytes, bytes read from sources), summed by group."""
-        counts = Counter(self._planner.gids)
+        counts = self._planner.group_counts()
         return (sum(n * self._layouts[g].nbytes for g, n in counts.items() if self._layouts[g].replicated),
                 sum(n * self._layouts[g].read for g, n in counts.items()))
+
+    def piece_index(self, header: bytes) -> tuple[array[int], Pieces]:
+        """`RankStream`'s index of the rank file with this header: where each piece starts (the
+        header, then every non-empty extent of every tensor, in order) and the pieces, each made when
+        read. Built once per plan (a few ms for 100,000 tensors), then shared by its streams."""
+        hit = self._index
+        if hit is not None and hit[1].header is header:
+            return hit
+        planner, layouts = self._planner, self._layouts
+        # per group: (extent number, offset in the tensor) of its non-empty extents
+        parts = [[(k, pos) for k, (pos, e) in enumerate(zip(accumulate((e.nbytes for e in g.segments), initial=0),
+                                                              g.segments)) if e.nbytes] for g in layouts]
+        sizes = [g.nbytes for g in layouts]
+        begins = map(len(header).__add__, map(sub, self._ends, map(sizes.__getitem__, planner.gids)))
+        starts = array("q", [0])
+        if all(p == [(0, 0)] for p in parts):  # one extent a tensor, at its start (the usual case)
+            starts.extend(begins)
+            owners = None
+        else:
+            owners = array("q")  # per piece: tensor number << 32 | extent number
+            for i, (b, g) in enumerate(zip(begins, planner.gids)):
+                for k, pos in parts[g]:
+                    starts.append(b + pos)
+                    owners.append(i << 32 | k)
+        if len(starts) > 1:  # the last piece ends the file
+            assert starts[-1] + self._piece(owners, len(starts) - 2).nbytes == len(header) + self.end
+        self._index = (starts, Pieces(self, header, owners, len(starts)))
+        return self._index
+
+    def _piece(self, owners: array[int] | None, j: int) -> Extent:
+        """Piece j (after the header) of the index: tensor i's extent k, shifted to where i is."""
+        i, k = (j, 0) if owners is None else divmod(owners[j], 1 << 32)
+        planner = self._planner
+        g = self._layouts[planner.gids[i]]
+        file, start = planner.where[i]
+        delta = start - g.base_start
+        ext = g.segments[k]
+        return ext if delta == 0 and file == g.base_file else _shift(ext, file, delta)
 
     def _make(self, i: int) -> OutTensor:
         planner = self._planner
@@ -152,6 +180,37 @@ class PlannedTensors(Sequence[OutTensor]):
         return t
 
 
+class Pieces(Sequence[bytes | Extent]):
+    """The pieces of a rank file as `RankStream` indexes them: the header, then each non-empty
+    extent of each tensor, made when read."""
+
+    def __init__(self, tensors: PlannedTensors, header: bytes, owners: array[int] | None, n: int) -> None:
+        self._tensors, self.header, self._owners, self._n = tensors, header, owners, n
+
+    def __len__(self) -> int:
+        return self._n
+
+    @overload
+    def __getitem__(self, j: int) -> bytes | Extent: ...
+
+    @overload
+    def __getitem__(self, j: slice) -> list[bytes | Extent]: ...
+
+    def __getitem__(self, j: int | slice) -> bytes | Extent | list[bytes | Extent]:
+        if isinstance(j, slice):
+            return [self[x] for x in range(*j.indices(self._n))]
+        if not -self._n <= j < self._n:
+            raise IndexError(j)
+        j %= self._n
+        return self.header if j == 0 else self._tensors._piece(self._owners, j - 1)
+
+    def __iter__(self) -> Iterator[bytes | Extent]:
+        yield self.header
+        make, owners = self._tensors._piece, self._owners
+        for j in range(self._n - 1):
+            yield make(owners, j)
+
+
 class RankPlanner:
     """Plans every rank of `tp` for one set of tensors and rules: tensors are sorted into layout
     groups once; each rank then computes one layout per group and, per tensor, its offsets and header
@@ -161,38 +220,60 @@ class RankPlanner:
                  rules: dict[str, Rule], tp: int) -> None:
         check_tp(tp)
         self.tensors, self.files, self.rules, self.tp = tensors, files, rules, tp
-        full: dict[tuple[int, ...], Any] = {}
-        group_of: dict[Any, int] = {}
-        self.firsts: list[str] = []  # the first tensor (in source order) of each group
-        gid_by_name: dict[str, int] = {}
-        for name, gt in tensors.items():
-            key: Any = name  # planned on its own unless it is stored whole in one file
-            pieces = gt.pieces
-            if len(pieces) == 1:
-                sel = full.get(gt.shape)
-                if sel is None:
-                    sel = full[gt.shape] = full_selection(gt.shape)
-                if pieces[0].select is sel or pieces[0].select == sel:
-                    key = (id(rules[name]), name[name.rfind(".") :] if "." in name else "", gt.shape, gt.dtype)
-            gid = group_of.get(key)
-            if gid is None:
-                gid = group_of[key] = len(self.firsts)
-                self.firsts.append(name)
-            gid_by_name[name] = gid
-        names = sorted(tensors)  # the metadata's key order (json sort_keys)
-        by_size: dict[int, list[str]] = {}  # file order: largest item size first, then name (data_order)
-        for n in names:
-            by_size.setdefault(DTYPE_SIZES[tensors[n].dtype], []).append(n)
-        ordered = [n for size in sorted(by_size, reverse=True) for n in by_size[size]]
-        self.order = [(n, tensors[n]) for n in ordered]
-        self.where = [(str(gt.pieces[0].info.file), gt.pieces[0].info.start) for _, gt in self.order]
-        self.gids = [gid_by_name[n] for n in ordered]
-        quoted = {n: _json_str(n) + ":" for n in names}
-        self._quoted = [quoted[n] for n in ordered]
-        self._sorted_gids = [gid_by_name[n] for n in names]
-        self._sorted_quoted = list(quoted.values())
+        infos = getattr(tensors, "infos", None)  # format.WholeTensors: every tensor is one whole piece
+        if infos is not None:
+            # grouped by (rule, name suffix, shape, dtype), read from the TensorInfos (no GlobalTensor made)
+            keys = list(zip(map(id, map(rules.__getitem__, infos)), [n[n.rfind(".") :] if "." in n else "" for n in infos],
+                            map(attrgetter("shape"), infos.values()), map(attrgetter("dtype"), infos.values())))
+            meta, loc = infos, infos  # each tensor's dtype and shape; where it starts
+        else:  # the same for tensors stored whole in one file; others are planned alone
+            full = {shape: full_selection(shape) for shape in {gt.shape for gt in tensors.values()}}
+            keys = [(id(rules[n]), n[n.rfind(".") :] if "." in n else "", gt.shape, gt.dtype)
+                    if len(gt.pieces) == 1 and (gt.pieces[0].select is full[gt.shape] or gt.pieces[0].select == full[gt.shape])
+                    else n for n, gt in tensors.items()]
+            meta, loc = tensors, {n: gt.pieces[0].info for n, gt in tensors.items()}
+        gid_of = {key: gid for gid, key in enumerate(dict.fromkeys(keys))}  # numbered in source order
+        src = list(tensors)
+        src_gids = list(map(gid_of.__getitem__, keys))
+        del keys
+        first_of = dict(zip(reversed(src_gids), reversed(src)))
+        self.firsts: list[str] = [first_of[gid] for gid in range(len(gid_of))]  # the first tensor (in source order) of each group
+        names = sorted(src)  # the metadata's key order (json sort_keys)
+        in_order = names == src  # (a Checkpoint's tensors are)
+        name_gids = src_gids if in_order else list(map(dict(zip(src, src_gids)).__getitem__, names))
+        ordered = names  # file order: largest item size first, then name (data_order)
+        if len({DTYPE_SIZES[t.dtype] for t in meta.values()}) > 1:
+            by_size: dict[int, list[str]] = {}
+            for n in names:
+                by_size.setdefault(DTYPE_SIZES[meta[n].dtype], []).append(n)
+            ordered = [n for size in sorted(by_size, reverse=True) for n in by_size[size]]
+        if in_order and ordered is names:
+            self.order = list(meta.items())  # (name, its dtype and shape)
+            self.where = _places(loc.values())
+            self.gids = name_gids
+        else:
+            self.order = list(zip(ordered, map(meta.__getitem__, ordered)))
+            self.where = _places(map(loc.__getitem__, ordered))
+            self.gids = name_gids if ordered is names else list(map(dict(zip(names, name_gids)).__getitem__, ordered))
+        self._sorted_gids = name_gids
+        self._counts: Counter[int] | None = None
+        # '"name":' in file order, and in name order escaped as the content of a JSON string (the
+        # metadata's "tensors" value), each with a comma before it but the first
+        if len(_json_str("".join(names))) == 2 + sum(map(len, names)):  # no name needs escaping
+            self._quoted = _first_bare([f',"{n}":' for n in ordered])
+            self._sorted_quoted = _first_bare([f',\\"{n}\\":' for n in names])
+        else:
+            quoted = {n: _json_str(n) + ":" for n in names}
+            self._quoted = _first_bare(["," + quoted[n] for n in ordered])
+            self._sorted_quoted = _first_bare(["," + _json_str(q)[1:-1] for q in quoted.values()])
         self._layouts: dict[int, list[_Layout]] = {}
         self._entries: tuple[Any, array[int], str] | None = None  # the last rank's header entries
+
+    def group_counts(self) -> Counter[int]:
+        """How many tensors each group has."""
+        if self._counts is None:
+            self._counts = Counter(self.gids)
+        return self._counts
 
     def layouts(self, rank: int) -> list[_Layout]:
         """Each group's layout on `rank` (all a bad rule or shape can fail on), made once per rank."""
@@ -210,18 +291,27 @@ class RankPlanner:
         if same is not None:  # even splits: every rank has the same shapes and offsets, only selections differ
             ends, entries = same[1], same[2]
         else:
-            ends = array("q", accumulate([sizes[g] for g in self.gids]))
-            entries = ",".join([f"{q}{heads[g]}{e - sizes[g]},{e}]}}" for q, g, e in zip(self._quoted, self.gids, ends)])
+            ends = array("q", accumulate(map(sizes.__getitem__, self.gids)))
+            stops = list(map(str, ends))  # a tensor begins where the one before it ends
+            n = len(stops)
+            entries = "".join(_rows(self._quoted, list(map(heads.__getitem__, self.gids)), ["0", *stops[:-1]][:n],
+                                    [","] * n, stops, ["]}"] * n))
             self._entries = ((sizes, heads), ends, entries)
-        describe = [g.describe for g in layouts]
-        blob = ",".join([q + describe[g] for q, g in zip(self._sorted_quoted, self._sorted_gids)])
-        meta = {"format": FORMAT, "tp": str(self.tp), "rank": str(rank), "tensors": "{" + blob + "}"}
-        del blob
-        text = json.dumps({"__metadata__": meta}, separators=_COMPACT)[:-1]
-        del meta
-        text += ("," + entries if entries else "") + "}"
-        text += " " * (-len(text) % 8)  # ASCII (json escapes the rest): as many bytes as characters
-        header = len(text).to_bytes(8, "little") + text.encode()
+        # JSON string escaping is done character by character, so the escaped "tensors" value is the
+        # escaped fragments joined: names once (in __init__), descriptions once per group
+        describe = [_json_str(g.describe)[1:-1] for g in layouts]
+        meta = {"format": FORMAT, "tp": str(self.tp), "rank": str(rank), "tensors": ""}
+        head = json.dumps({"__metadata__": meta}, separators=_COMPACT)[:-3]  # up to the opening quote of ""
+        parts = _rows(self._sorted_quoted, list(map(describe.__getitem__, self._sorted_gids)))
+        parts[:0] = [head, "{"]
+        parts += ['}"}', "," if entries else "", entries, "}"]
+        size = sum(map(len, parts))
+        parts.append(" " * (-size % 8))
+        # all ASCII (json escapes the rest), so latin-1 gives the same bytes as utf-8; with the length
+        # prefix as its 8 characters, the header is one join and one encode
+        parts.insert(0, (size + -size % 8).to_bytes(8, "little").decode("latin-1"))
+        header = "".join(parts).encode("latin-1")
+        del parts
         return RankPlan(rank, self.tp, PlannedTensors(self, layouts, ends), header, self.files)  # type: ignore[arg-type]
 
     def _layout(self, name: str, gt: GlobalTensor, rank: int) -> _Layout:
@@ -238,6 +328,33 @@ class RankPlanner:
         return _Layout(sel, shape, nbytes, read, probe.replicated, segments, str(info.file), info.start,
                        json.dumps(probe.describe(), separators=_COMPACT, sort_keys=True),
                        entry + ',"data_offsets":[')
+
+
+def _places(infos: Iterable[Any]) -> list[tuple[str, int]]:
+    """(file as a string, start) of each TensorInfo; a file's tensors usually share its path object,
+    so each is made a string once."""
+    infos = list(infos)
+    files = list(map(attrgetter("file"), infos))
+    ids = list(map(id, files))
+    paths = {i: str(f) for i, f in dict(zip(ids, files)).items()}
+    return list(zip(map(paths.__getitem__, ids), map(attrgetter("start"), infos)))
+
+
+def _first_bare(items: list[str]) -> list[str]:
+    """Comma-led `items` with the first comma dropped: joined, they are `",".join` of the bare ones."""
+    if items:
+        items[0] = items[0][1:]
+    return items
+
+
+def _rows(*columns: list[str]) -> list[str]:
+    """The columns' strings row by row: joined, `"".join(a + b + ... for a, b, ... in zip(*columns))`
+    without a string per row."""
+    width = len(columns)
+    parts = [""] * (width * len(columns[0]))
+    for j, column in enumerate(columns):
+        parts[j::width] = column
+    return parts
 
 
 class LazyRanks(Sequence[RankPlan]):

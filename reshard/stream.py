@@ -32,16 +32,21 @@ class RankStream:
         self._readers: dict[str, Reader] = {}
         self._scratch: bytearray | None = None
         # flat index of pieces: (start offset in the output, piece); a piece is bytes or a Segment
-        starts: list[int] = [0]
-        pieces: list[bytes | Segment | Interleave] = [plan.header]
-        pos = len(plan.header)
-        for t in plan.tensors:
-            for seg in t.segments:
-                if seg.nbytes:
-                    starts.append(pos)
-                    pieces.append(seg)
-                    pos += seg.nbytes
-        assert pos == self.size
+        # (or Interleave). A grouped plan (reshard.planner) has it built once per plan, as an array of
+        # starts and a sequence that makes each piece when read; both index like the lists below.
+        index = getattr(plan.tensors, "piece_index", None)
+        if index is not None:
+            starts, pieces = index(plan.header)
+        else:
+            starts, pieces = [0], [plan.header]
+            pos = len(plan.header)
+            for t in plan.tensors:
+                for seg in t.segments:
+                    if seg.nbytes:
+                        starts.append(pos)
+                        pieces.append(seg)
+                        pos += seg.nbytes
+            assert pos == self.size
         self._starts, self._pieces = starts, pieces
         try:
             for path, key in plan.files.items():

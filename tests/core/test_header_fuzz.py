@@ -7,6 +7,7 @@ shapes (reshard may be stricter, never looser).
 from __future__ import annotations
 
 import json
+import math
 import struct
 from pathlib import Path
 
@@ -15,6 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors import safe_open
 
+from bench.moe_data import moe_checkpoint
+from reshard import headers
 from reshard.errors import ReshardError
 from reshard.format import DTYPE_SIZES, parse_header, read_header
 
@@ -139,3 +142,116 @@ def test_any_json_value_as_header(fuzz_file: Path, value: object) -> None:
     if isinstance(value, dict):
         check_agrees_with_safetensors(raw_safetensors(json.dumps({"t": value}).encode()), fuzz_file)
     check_agrees_with_safetensors(raw_safetensors(json.dumps({"__metadata__": value}).encode()), fuzz_file)
+
+
+# --- the column-at-a-time checks decide as the per-entry checks do -------------------------------------
+
+def outcome(raw: bytes, *, tiers: tuple[str, ...] = ("_canonical_parse", "_fast_parse")) -> object:
+    """parse_header's entries and metadata plus parse_columns' columns, or the message they refused
+    with, with only the fast readers named in `tiers` on (`()`: every check runs one entry at a time,
+    as before the fast readers existed)."""
+    saved = {tier: getattr(headers, tier) for tier in ("_canonical_parse", "_fast_parse")}
+    for tier in saved:
+        if tier not in tiers:
+            setattr(headers, tier, lambda text, data_len: None)
+    try:
+        entries, metadata = headers.parse_header(raw, path="f.safetensors", file_size=len(raw))
+        _, _, columns = headers.parse_columns(raw, path="f.safetensors", file_size=len(raw))
+        return entries, metadata, tuple(map(list, columns))
+    except ReshardError as e:
+        return str(e)
+    finally:
+        for tier, fn in saved.items():
+            setattr(headers, tier, fn)
+
+
+ASCII_NAMES = st.text(st.sampled_from("abc.:_-09\"\\"), min_size=1, max_size=6)
+
+
+@st.composite
+def canonical_files(draw: st.DrawFn) -> bytes:
+    """Files as safetensors writes them (compact JSON, ASCII names, offsets in order): the fast path's
+    home ground; then up to two mutations of their bytes."""
+    names = draw(st.lists(ASCII_NAMES.filter(lambda s: s != "__metadata__"), min_size=1, max_size=5, unique=True))
+    header: dict = {"__metadata__": {"format": "pt"}} if draw(st.booleans()) else {}
+    pos = 0
+    for name in names:
+        dtype = draw(st.sampled_from(TORCH_OK))
+        shape = draw(st.lists(st.integers(0, 3), max_size=3))
+        n = DTYPE_SIZES[dtype] * math.prod(shape)
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [pos, pos + n]}
+        pos += n
+    if draw(st.booleans()):  # not in offset order
+        header = dict(sorted(header.items(), reverse=True))
+    text = json.dumps(header, separators=(",", ":"))
+    if draw(st.booleans()):  # a name given twice (json.loads alone would keep the second)
+        first = json.dumps(dict([next(iter(header.items()))]), separators=(",", ":"))[1:-1]
+        text = text[:-1] + "," + first + "}"
+    raw = bytearray(raw_safetensors(text.encode(), bytes(pos)))
+    for _ in range(draw(st.integers(0, 2))):
+        i = draw(st.integers(8, len(raw) - 1))
+        raw[i : i + 1] = draw(st.sampled_from([b"", b"1", b"0", b"-", b",", b":", b'"', b"[", b"]", b"{", b"}",
+                                                b"\\u0000", b"F16", b"2.0", b"true", b" "]))
+    return bytes(raw)
+
+
+@FUZZ
+@given(st.one_of(canonical_files(), valid_files(), mutated_files()))
+def test_fast_checks_agree_with_the_per_entry_checks(raw: bytes) -> None:
+    """Same tensors (or the same error message) with each fast reader on, and with none."""
+    slow = outcome(raw, tiers=())
+    assert outcome(raw) == outcome(raw, tiers=("_canonical_parse",)) == outcome(raw, tiers=("_fast_parse",)) == slow
+
+
+def test_fast_path_takes_well_formed_headers(tmp_path: Path) -> None:
+    """A real checkpoint's headers go through both fast readers, which give what the per-entry checks
+    give; compact JSON with the keys in another order goes through the second."""
+    ckpt = moe_checkpoint(tmp_path / "moe", tensors=300, num_files=2)
+    for f in sorted(ckpt.glob("*.safetensors")):
+        raw = f.read_bytes()
+        n = struct.unpack("<Q", raw[:8])[0]
+        text, data_len = raw[8 : 8 + n].decode(), len(raw) - 8 - n
+        assert headers._canonical_parse(text, data_len) is not None and headers._fast_parse(text, data_len) is not None
+        entries, _, columns = outcome(raw, tiers=())  # type: ignore[misc]
+        assert outcome(raw) == outcome(raw, tiers=("_fast_parse",)) == (entries, {"format": "pt"}, columns)
+        assert len(entries) == len(columns[0]) > 100
+        shuffled = {k: dict(reversed(v.items())) if k != "__metadata__" else v for k, v in json.loads(text).items()}
+        other = json.dumps(shuffled, separators=(",", ":"))
+        assert headers._canonical_parse(other, data_len) is None and headers._fast_parse(other, data_len) is not None
+
+
+E4 = '{"dtype":"F32","shape":[1],"data_offsets":[%d,%d]}'
+LOOK_ALIKES = {  # texts close to what safetensors writes, each wrong (or odd) in one way
+    "missing comma, trailing comma": '{"a":' + E4 % (0, 4) + '"b":' + E4 % (4, 8) + ",}",
+    "trailing comma": '{"a":' + E4 % (0, 4) + ',"b":' + E4 % (4, 8) + ",}",
+    "an entry named __metadata__": '{"__metadata__":' + E4 % (0, 4) + ',"b":' + E4 % (4, 8) + "}",
+    "metadata, then an entry named __metadata__": '{"__metadata__":{},"__metadata__":' + E4 % (0, 4) + ',"b":'
+                                                  + E4 % (4, 8) + "}",
+    "a name twice, tiling": '{"a":' + E4 % (0, 4) + ',"a":' + E4 % (4, 8) + "}",
+    "a leading zero": '{"a":{"dtype":"F32","shape":[01],"data_offsets":[0,4]},"b":' + E4 % (4, 8) + "}",
+    "a leading zero in an offset": '{"a":' + E4 % (0, 4) + ',"b":{"dtype":"F32","shape":[1],"data_offsets":[04,8]}}',
+    "a metadata key twice": '{"__metadata__":{"k":"x","k":"y"},"a":' + E4 % (0, 4) + ',"b":' + E4 % (4, 8) + "}",
+    "metadata last": '{"a":' + E4 % (0, 4) + ',"b":' + E4 % (4, 8) + ',"__metadata__":{"k":"v"}}',
+    "metadata not strings": '{"__metadata__":{"k":1},"a":' + E4 % (0, 4) + ',"b":' + E4 % (4, 8) + "}",
+    "a space inside": '{"a": ' + E4 % (0, 4) + ',"b":' + E4 % (4, 8) + "}",
+    "tab padding": '{"a":' + E4 % (0, 4) + ',"b":' + E4 % (4, 8) + "}\t",
+    "an escaped quote in a name": '{"a\\"":' + E4 % (0, 4) + ',"b":' + E4 % (4, 8) + "}",
+    "a colon in a name": '{"a:b":' + E4 % (0, 4) + ',"b":' + E4 % (4, 8) + "}  ",
+    "a negative offset": '{"a":{"dtype":"F32","shape":[1],"data_offsets":[-4,0]},"b":' + E4 % (4, 8) + "}",
+    "unknown dtype": '{"a":{"dtype":"F33","shape":[1],"data_offsets":[0,4]},"b":' + E4 % (4, 8) + "}",
+    "out of order": '{"b":' + E4 % (4, 8) + ',"a":' + E4 % (0, 4) + "}",
+    "garbage between": '{"a":' + E4 % (0, 4) + ',x"b":' + E4 % (4, 8) + "}",
+    "an empty dimension": '{"a":{"dtype":"U8","shape":[2,,2],"data_offsets":[0,4]},"b":' + E4 % (4, 8) + "}",
+    "a comma ending a shape": '{"a":{"dtype":"U8","shape":[4,],"data_offsets":[0,4]},"b":' + E4 % (4, 8) + "}",
+    "a control character in a name": '{"a\x01":' + E4 % (0, 4) + ',"b":' + E4 % (4, 8) + "}",
+    "a tab in a name": '{"a\t":' + E4 % (0, 4) + ',"b":' + E4 % (4, 8) + "}",
+    "non-ASCII names": '{"ä":' + E4 % (0, 4) + ',"名":' + E4 % (4, 8) + "}",
+}
+
+
+@pytest.mark.parametrize("case", sorted(LOOK_ALIKES))
+def test_fast_readers_on_look_alikes(case: str) -> None:
+    """Each agrees with the per-entry checks (same tensors, or the same error)."""
+    raw = raw_safetensors(LOOK_ALIKES[case].encode(), bytes(8))
+    slow = outcome(raw, tiers=())
+    assert outcome(raw, tiers=("_canonical_parse",)) == outcome(raw, tiers=("_fast_parse",)) == slow, slow
