@@ -29,6 +29,7 @@ OPTIONS = {  # name -> the server's environment
     "reshard serve (sendfile, mapped gathers, 4 MiB chunks)": {},
     "no zero-copy send": {"RESHARD_ZERO_COPY": "false"},
     "no mapped gathers (pread row blocks)": {"RESHARD_MAPPED_READS": "false"},
+    "8 MiB chunks": {"RESHARD_CHUNK_SIZE": str(8 << 20)},
     "16 MiB chunks": {"RESHARD_CHUNK_SIZE": str(16 << 20)},
     "1 MiB chunks": {"RESHARD_CHUNK_SIZE": str(1 << 20)},
 }

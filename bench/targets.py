@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from bench.measure import median
+from service.settings import Settings
 
 
 def find(results: dict[str, Any], title: str) -> dict[str, Any] | None:
@@ -67,7 +68,8 @@ def evaluate(results: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
-CHUNK_MIB, MAX_CHUNKS = 4, 5  # the service's default chunk; "a few chunks per open stream"
+MAX_CHUNKS = 5  # "a few chunks per open stream", of the service's default chunk:
+CHUNK_MIB = Settings.model_fields["chunk_size"].default >> 20
 SERVE_GOALS = (("serve 1 client, column rank", "column-split rank, 1 client", 0.9),
                ("serve 1 client, row rank", "row-split rank, 1 client", 0.7),
                ("serve 4 clients, mixed ranks of tp 4 and 2", "4 clients, mixed ranks of tp 4 and 2", 0.8),

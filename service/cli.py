@@ -60,7 +60,7 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--token", help="require `Authorization: Bearer TOKEN` everywhere but /healthz")
     p.add_argument("--out", help="directory for write jobs (default ROOT/.reshard/out)")
     p.add_argument("--max-upload-bytes", type=int, help="largest accepted upload")
-    p.add_argument("--chunk-size", type=int, help="bytes per streamed chunk (default 4 MiB)")
+    p.add_argument("--chunk-size", type=int, help="bytes per streamed chunk that is read and copied (default 8 MiB)")
     p.add_argument("--workers", type=int, help="worker processes sharing the port (default: one per core)")
     p.add_argument("--no-zero-copy", dest="zero_copy", action="store_false", default=None,
                    help="copy every byte through Python instead of sendfile (env RESHARD_ZERO_COPY=false)")

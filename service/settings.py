@@ -29,7 +29,9 @@ class Settings(BaseSettings):
     public_docs: bool = Field(False, description="serve /docs and /openapi.json without the token")
     max_upload_bytes: int = Field(64 << 30, ge=1, description="largest accepted upload (413 above it)")
     max_body_bytes: int = Field(1 * MiB, ge=1, description="largest JSON request body (manifests, jobs)")
-    chunk_size: int = Field(4 * MiB, ge=64 << 10, le=256 * MiB, description="bytes per streamed chunk")
+    chunk_size: int = Field(8 * MiB, ge=64 << 10, le=256 * MiB, description="bytes per streamed chunk of what is "
+                            "read and copied (row-split runs, headers); 8 MiB: a row-split rank goes ~8% faster "
+                            "than with 4 MiB (fewer hand-offs between the reader thread and the event loop)")
     send_timeout: float = Field(120.0, gt=0, description="seconds a client may take to accept one chunk of a "
                                 "shard before the stream is dropped (frees its files and buffers)")
     zero_copy: bool = Field(True, description="`reshard serve` sends contiguous ranges of local source files with "

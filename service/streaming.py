@@ -5,9 +5,10 @@ Where the server offers ASGI's zero-copy send (`reshard serve` does: `service.ze
 contiguous range of a local source file of at least `DIRECT_MIN` bytes goes from the page cache to
 the socket by `sendfile`, and the source files are checked after each range: a file that changed
 cuts the body short. Everything else (the header, strided row-split runs, padding, and the whole body
-while it is being hashed) is read by a thread into fresh chunk buffers while the event loop sends
-the previous one (a transport may keep a reference to an unsent chunk), checked after each read, so
-those bytes never mix two versions of a file. Memory per stream is about three chunks. A full body
+while it is being hashed) is read by a thread into chunk buffers while the event loop sends
+the previous one, checked after each read, so those bytes never mix two versions of a file. Chunk
+buffers come from a pool (`service.buffers`: reused once the transport has let go of them, all given
+back when a worker's last stream ends). Memory per stream is about three chunks. A full body
 is hashed as it is read, so the first download of a shard also fills the digest cache. The stream
 watches for the client's `http.disconnect`; when it comes, the reader stops after its current chunk
 and the source files are closed.
@@ -27,18 +28,17 @@ from typing import Any
 import anyio
 import anyio.lowlevel
 import anyio.to_thread
-import numpy as np
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from reshard.errors import ReshardError, SourceChangedError
 from reshard.plan import RankPlan
 from reshard.stream import RankStream
+from service.buffers import POOL
 from service.catalog import LRU
 from service.errors import RangeNotSatisfiable, response_for, served_root
 from service.metrics import ServiceMetrics
 from service.store import StateStore
-from service.workers import release_freed_memory
 
 log = logging.getLogger("reshard.service")
 
@@ -201,7 +201,7 @@ class ShardResponse(Response):
             stream.close()  # the reader thread has returned: cancellation waits for it
             _OPEN[0] -= 1
             if not _OPEN[0]:  # the last stream of this process: its chunk buffers go back to the OS
-                release_freed_memory()  # (not while others run: they would fault fresh pages in)
+                POOL.release_all()
             m.active_streams.dec()
             m.streams.labels(outcome).inc()
             m.stream_seconds.observe(time.monotonic() - t0)
@@ -219,7 +219,7 @@ class ShardResponse(Response):
         runs = stream.runs(self.start, self.end, chunk_size=chunk, direct_min=DIRECT_MIN if direct else self.end + 1)
 
         def read(pos: int, n: int) -> memoryview:  # called for one run at a time, in order
-            buf = memoryview(np.empty(n, np.uint8))  # not zero-filled: read_into overwrites every byte
+            buf = POOL.take(n, chunk)  # reused once the transport has let go of it; read_into fills all n
             stream.read_into(pos, buf)  # checks afterwards that no source changed
             if sha is not None:
                 sha.update(buf)

@@ -71,6 +71,11 @@ def _sendfile_closing(sock: int, fd: int, offset: int, count: int) -> int:
         os.close(fd)
 
 
+def _wake(ready: asyncio.Future[None]) -> None:
+    if not ready.done():  # a writable callback may fire again before it is removed
+        ready.set_result(None)
+
+
 async def send_range(sock: int, fd: int, offset: int, count: int) -> int:
     """`count` bytes of `fd` from `offset` into the non-blocking socket `sock` (a duplicate the
     caller closes); the bytes sent, fewer than `count` only if the file ended."""
@@ -86,7 +91,7 @@ async def send_range(sock: int, fd: int, offset: int, count: int) -> int:
                     _COLD, _sendfile_closing, os.dup(sock), os.dup(fd), offset + sent, n))
         except BlockingIOError:  # the socket is full: wait for room
             ready = loop.create_future()
-            loop.add_writer(sock, lambda: ready.done() or ready.set_result(None))  # may fire again before removed
+            loop.add_writer(sock, _wake, ready)
             try:
                 await ready
             finally:
