@@ -9,7 +9,7 @@ are cores (`--workers`, `worker_processes`); FileResponse is one uvicorn process
 `curl -o /dev/null`; its wall time is measured and the servers' process trees are sampled for RssAnon
 alongside (the server's base before the run and its peak are both recorded, so the memory per open
 stream can be read off). Servers start before and stop after each comparison (outside the timings);
-the warm-up round also fills the service's plan caches.
+the warm-up rounds (one per worker) also fill the service's plan caches and file mappings.
 """
 
 from __future__ import annotations
@@ -139,7 +139,8 @@ def run_serve(src: Path, work: Path, *, full: bool, reps: int) -> list[dict[str,
         for title, variant, pulls in runs:
             cases = serve_cases(srv, files, variant, pulls)
             # single transfers take a fraction of a second: more rounds for the same noise
-            res = interleave(title, cases, reps=reps if len(pulls) > 1 else max(reps, 7), baseline="nginx")
+            res = interleave(title, cases, reps=reps if len(pulls) > 1 else max(reps, 7), baseline="nginx",
+                             warmup=WORKERS)  # a round per worker: each fills its own caches and mappings
             for name, c in res["cases"].items():
                 c["median_mb_s"] = median(r["mb_s"] for r in c["runs"])
                 c["note"] = next(x.note for x in cases if x.name == name)
