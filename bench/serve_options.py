@@ -1,9 +1,9 @@
 """`python -m bench.serve_options [--reps 5]`: the service's data-path options side by side with nginx.
 
 One client pulls rank 0 of tp=4 (a column-split and a row-split variant of the 1 GB checkpoint) from
-nginx and from `reshard serve` as it ships (zero-copy send, mapped row gathers, 4 MiB chunks), with
-each of those turned off or changed (`RESHARD_ZERO_COPY=false`, `RESHARD_MAPPED_READS=false`, 16 and
-1 MiB chunks), and from the same app under granian when `granian` is importable (it is not a
+nginx and from `reshard serve` as it ships (zero-copy send, mapped row gathers, 8 MiB chunks), with
+each of those turned off or changed (`RESHARD_ZERO_COPY=false`, `RESHARD_MAPPED_READS=false`, 4, 16
+and 1 MiB chunks), and from the same app under granian when `granian` is importable (it is not a
 dependency: `pip install granian` or put it on PYTHONPATH). Every server runs one worker per core.
 Prints, per variant and option, the throughput relative to nginx (median of per-round ratios), the
 median MB/s and the server's peak RssAnon.
@@ -26,10 +26,10 @@ from bench.measure import median
 from bench.servers import REPO, ensure_nginx, free_port, nginx_argv, reshard_serve_argv, server
 
 OPTIONS = {  # name -> the server's environment
-    "reshard serve (sendfile, mapped gathers, 4 MiB chunks)": {},
+    "reshard serve (sendfile, mapped gathers, 8 MiB chunks)": {},
     "no zero-copy send": {"RESHARD_ZERO_COPY": "false"},
     "no mapped gathers (pread row blocks)": {"RESHARD_MAPPED_READS": "false"},
-    "8 MiB chunks": {"RESHARD_CHUNK_SIZE": str(8 << 20)},
+    "4 MiB chunks": {"RESHARD_CHUNK_SIZE": str(4 << 20)},
     "16 MiB chunks": {"RESHARD_CHUNK_SIZE": str(16 << 20)},
     "1 MiB chunks": {"RESHARD_CHUNK_SIZE": str(1 << 20)},
 }
@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     root, files = prepare(data.checkpoint("1gb", root=args.data), work, ["col", "row"])
     logs = work / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    names = ["nginx", *OPTIONS] + (["granian, 4 MiB chunks"] if importlib.util.find_spec("granian") else [])
+    names = ["nginx", *OPTIONS] + (["granian (the same app)"] if importlib.util.find_spec("granian") else [])
     ports = {n: free_port() for n in names}
     results: dict[str, dict[str, object]] = {}
     with contextlib.ExitStack() as stack:
@@ -55,8 +55,8 @@ def main(argv: list[str] | None = None) -> int:
             pids[n] = stack.enter_context(server(
                 reshard_serve_argv(root, ports[n], workers=WORKERS), f"http://127.0.0.1:{ports[n]}/healthz",
                 env=env, log=logs / f"option-{i}.log")).pid
-        if "granian, 4 MiB chunks" in ports:
-            n = "granian, 4 MiB chunks"
+        if "granian (the same app)" in ports:
+            n = "granian (the same app)"
             argv_g = [sys.executable, "-m", "granian", "--interface", "asgi", "--factory", "--workers", str(WORKERS),
                       "--host", "127.0.0.1", "--port", str(ports[n]), "--no-ws", "--log-level", "warning",
                       "service.workers:worker_app"]
