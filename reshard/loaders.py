@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from reshard.errors import PlanError, RegistryError
+from reshard.registry import registrar
 
 if TYPE_CHECKING:
     import torch
@@ -199,14 +200,7 @@ _REGISTRY: dict[str, LoaderFactory] = {}
 
 def register_loader(kind: str) -> Callable[[LoaderFactory], LoaderFactory]:
     """Bind `kind` to a factory `(rule, suffix) -> ShardLoader`; registering a kind twice is an error."""
-
-    def deco(fn: LoaderFactory) -> LoaderFactory:
-        if kind in _REGISTRY:
-            raise RegistryError(f"kind {kind!r} is already registered; known kinds: {', '.join(known_kinds())}")
-        _REGISTRY[kind] = fn
-        return fn
-
-    return deco
+    return registrar(_REGISTRY, (kind,), lambda k: f"kind {k!r}", known="known kinds")
 
 
 def known_kinds() -> list[str]:
@@ -329,14 +323,7 @@ _LAYERS: dict[str, LayerFactory] = {}
 
 def register_layer(kind: str) -> Callable[[LayerFactory], LayerFactory]:
     """Bind `kind` to a parallel-layer factory; registering one twice is an error."""
-
-    def deco(fn: LayerFactory) -> LayerFactory:
-        if kind in _LAYERS:
-            raise RegistryError(f"layer for kind {kind!r} is already registered; known: {', '.join(sorted(_LAYERS))}")
-        _LAYERS[kind] = fn
-        return fn
-
-    return deco
+    return registrar(_LAYERS, (kind,), lambda k: f"layer for kind {k!r}")
 
 
 def layer_factory(kind: str) -> LayerFactory | None:

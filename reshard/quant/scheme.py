@@ -17,7 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from reshard.errors import ManifestError, RegistryError
+from reshard.errors import ManifestError
+from reshard.registry import registrar
 
 Block = tuple[int | None, ...]
 
@@ -62,14 +63,7 @@ _METHODS: dict[str, MethodFactory] = {}
 
 def register_quant_method(method: str) -> Callable[[MethodFactory], MethodFactory]:
     """Bind a `quant_method` to a function `(quantization_config) -> Scheme`; twice is an error."""
-
-    def deco(fn: MethodFactory) -> MethodFactory:
-        if method in _METHODS:
-            raise RegistryError(f"quant_method {method!r} is already registered; known: {', '.join(sorted(_METHODS))}")
-        _METHODS[method] = fn
-        return fn
-
-    return deco
+    return registrar(_METHODS, (method,), lambda m: f"quant_method {m!r}")
 
 
 def scheme_from_config(config: dict[str, Any] | None) -> Scheme | None:

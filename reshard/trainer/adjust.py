@@ -28,6 +28,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from reshard.errors import RegistryError
+from reshard.registry import registrar
 from reshard.tp import VocabParallelEmbedding, copy_to_tp_region, reduce_from_tp_region, tp_world_size
 
 Spec = dict[str, Any]
@@ -55,15 +56,7 @@ _ADJUSTMENTS: dict[str, Adjustment] = {}
 
 def register_adjustment(*names: str) -> Callable[[Adjustment], Adjustment]:
     """Bind transformers module class names (or model_types) to an adjustment; twice is an error."""
-
-    def deco(fn: Adjustment) -> Adjustment:
-        for name in names:
-            if name in _ADJUSTMENTS:
-                raise RegistryError(f"adjustment for {name!r} is already registered; known: {', '.join(known_adjustments())}")
-            _ADJUSTMENTS[name] = fn
-        return fn
-
-    return deco
+    return registrar(_ADJUSTMENTS, names, lambda n: f"adjustment for {n!r}")
 
 
 def known_adjustments() -> list[str]:
