@@ -18,12 +18,12 @@ import json
 import math
 from array import array
 from collections import Counter
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 from json.encoder import encode_basestring_ascii as _json_str  # type: ignore[attr-defined]
 from operator import attrgetter, sub
-from typing import Any, overload
+from typing import Any, TypeVar, overload
 
 from reshard.format import DTYPE_SIZES, GlobalTensor
 from reshard.gcpause import paused_gc
@@ -75,7 +75,35 @@ def _shift(ext: Extent, file: str, delta: int) -> Extent:
     return seg
 
 
-class PlannedTensors(Sequence[OutTensor]):
+T = TypeVar("T")
+
+
+class _Lazy(Sequence[T]):
+    """A sequence whose items are made when read: a subclass gives `__len__` and `_item(i)` for
+    0 <= i < len; indexing works as a list's (negative indices, IndexError past the end), a slice
+    gives a `_slice` of the items (a tuple unless said otherwise)."""
+
+    _slice: Callable[[Iterator[T]], Sequence[T]] = tuple
+
+    def _item(self, i: int) -> T:
+        raise NotImplementedError
+
+    @overload
+    def __getitem__(self, i: int) -> T: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[T]: ...
+
+    def __getitem__(self, i: int | slice) -> T | Sequence[T]:
+        if isinstance(i, slice):
+            return self._slice(map(self._item, range(*i.indices(len(self)))))
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError(i)
+        return self._item(i % n)
+
+
+class PlannedTensors(_Lazy[OutTensor]):
     """One rank's tensors in file order, each built when it is read: what is held per tensor is its
     group number (shared by every rank) and its end offset (a rank of 100,000 tensors is ~1 MB, not
     ~60 MB of objects). Compares equal to the tuple of its tensors."""
@@ -87,18 +115,8 @@ class PlannedTensors(Sequence[OutTensor]):
     def __len__(self) -> int:
         return len(self._ends)
 
-    @overload
-    def __getitem__(self, i: int) -> OutTensor: ...
-
-    @overload
-    def __getitem__(self, i: slice) -> tuple[OutTensor, ...]: ...
-
-    def __getitem__(self, i: int | slice) -> OutTensor | tuple[OutTensor, ...]:
-        if isinstance(i, slice):
-            return tuple(self._make(j) for j in range(*i.indices(len(self))))
-        if not -len(self) <= i < len(self):
-            raise IndexError(i)
-        return self._make(i % len(self))
+    def _item(self, i: int) -> OutTensor:
+        return self._make(i)
 
     def __iter__(self) -> Iterator[OutTensor]:
         return map(self._make, range(len(self)))
@@ -180,9 +198,11 @@ class PlannedTensors(Sequence[OutTensor]):
         return t
 
 
-class Pieces(Sequence[bytes | Extent]):
+class Pieces(_Lazy[bytes | Extent]):
     """The pieces of a rank file as `RankStream` indexes them: the header, then each non-empty
-    extent of each tensor, made when read."""
+    extent of each tensor, made when read (slices are lists, as the list it stands for gives)."""
+
+    _slice = list
 
     def __init__(self, tensors: PlannedTensors, header: bytes, owners: array[int] | None, n: int) -> None:
         self._tensors, self.header, self._owners, self._n = tensors, header, owners, n
@@ -190,18 +210,7 @@ class Pieces(Sequence[bytes | Extent]):
     def __len__(self) -> int:
         return self._n
 
-    @overload
-    def __getitem__(self, j: int) -> bytes | Extent: ...
-
-    @overload
-    def __getitem__(self, j: slice) -> list[bytes | Extent]: ...
-
-    def __getitem__(self, j: int | slice) -> bytes | Extent | list[bytes | Extent]:
-        if isinstance(j, slice):
-            return [self[x] for x in range(*j.indices(self._n))]
-        if not -self._n <= j < self._n:
-            raise IndexError(j)
-        j %= self._n
+    def _item(self, j: int) -> bytes | Extent:
         return self.header if j == 0 else self._tensors._piece(self._owners, j - 1)
 
     def __iter__(self) -> Iterator[bytes | Extent]:
@@ -357,7 +366,7 @@ def _rows(*columns: list[str]) -> list[str]:
     return parts
 
 
-class LazyRanks(Sequence[RankPlan]):
+class LazyRanks(_Lazy[RankPlan]):
     """`Plan.ranks` for a caller that visits each rank once (`reshard plan`'s summary): a rank is
     planned when it is read and not kept, so only one rank's header is in memory at a time."""
 
@@ -374,14 +383,6 @@ class LazyRanks(Sequence[RankPlan]):
     def __len__(self) -> int:
         return len(self._ranks)
 
-    @overload
-    def __getitem__(self, i: int) -> RankPlan: ...
-
-    @overload
-    def __getitem__(self, i: slice) -> tuple[RankPlan, ...]: ...
-
-    def __getitem__(self, i: int | slice) -> RankPlan | tuple[RankPlan, ...]:
-        if isinstance(i, slice):
-            return tuple(self[j] for j in range(*i.indices(len(self))))
+    def _item(self, i: int) -> RankPlan:
         with paused_gc():
             return self._planner.plan(self._ranks[i])
