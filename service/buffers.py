@@ -20,11 +20,24 @@ from service.workers import release_freed_memory
 
 
 class ChunkPool:
-    """`take(n)` a writable view of n bytes (n <= size); `release_all()` when no stream is open."""
+    """`take(n, size)` a writable view of n bytes of a `size`-byte buffer; streams say when they
+    `open()` and `close()`, and when the last one closes every buffer nobody holds is dropped."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._bufs: list[np.ndarray] = []
+        self._open = 0  # streams open in this process
+
+    def open(self) -> None:
+        with self._lock:
+            self._open += 1
+
+    def close(self) -> None:
+        with self._lock:
+            self._open -= 1
+            last = not self._open
+        if last:
+            self.release_all()
 
     def take(self, n: int, size: int) -> memoryview:
         with self._lock:

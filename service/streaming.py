@@ -45,7 +45,6 @@ log = logging.getLogger("reshard.service")
 SHA_HEADER = "X-Reshard-Sha256"
 ZERO_COPY = "http.response.zerocopysend"  # the ASGI extension; `service.zerocopy` adds it to uvicorn
 DIRECT_MIN = 128 << 10  # contiguous file ranges at least this long go out by sendfile
-_OPEN = [0]  # shard bodies being sent by this process (changed on its event loop only)
 _RANGE_RE = re.compile(r"^\s*bytes\s*=\s*(\d*)\s*-\s*(\d*)\s*$")
 
 
@@ -191,7 +190,7 @@ class ShardResponse(Response):
             return
         m = self.ctx.metrics
         m.active_streams.inc()
-        _OPEN[0] += 1
+        POOL.open()
         t0 = time.monotonic()
         outcome = "error"
         try:
@@ -199,9 +198,7 @@ class ShardResponse(Response):
             outcome = await self._body(stream, scope, receive, send)
         finally:
             stream.close()  # the reader thread has returned: cancellation waits for it
-            _OPEN[0] -= 1
-            if not _OPEN[0]:  # the last stream of this process: its chunk buffers go back to the OS
-                POOL.release_all()
+            POOL.close()  # the process's last stream: its chunk buffers go back to the OS
             m.active_streams.dec()
             m.streams.labels(outcome).inc()
             m.stream_seconds.observe(time.monotonic() - t0)

@@ -84,10 +84,12 @@ class MappedFiles:
         self.enabled = True
         return True
 
-    def gather(self, fd: int, out: np.ndarray, offset: int, run: int, stride: int, count: int) -> bool:
+    def gather(self, fd: int, ident: tuple[int, int, int, int], out: np.ndarray, offset: int, run: int,
+               stride: int, count: int) -> bool:
         """Copy the `count` runs of `run` bytes `stride` apart from `offset` of the file open on `fd`
-        into `out` (shape (count, run)); False if the file cannot be mapped now (read it instead)."""
-        m = self._acquire(fd) if self.enabled else None
+        (`ident`: its device, inode, size and mtime when opened) into `out` (shape (count, run));
+        False if the file cannot be mapped now (read it instead)."""
+        m = self._acquire(fd, ident) if self.enabled else None
         if m is None:
             return False
         import numpy as np
@@ -101,9 +103,7 @@ class MappedFiles:
         finally:
             self._release(m)
 
-    def _acquire(self, fd: int) -> _Mapping | None:
-        st = os.fstat(fd)
-        key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    def _acquire(self, fd: int, key: tuple[int, int, int, int]) -> _Mapping | None:
         with self._lock:
             m = self._maps.get(key)
             if m is None:

@@ -72,6 +72,7 @@ class LocalReader:
             st = os.fstat(self.fd)
             if (st.st_size, st.st_mtime_ns) != self.key:
                 raise SourceChangedError(f"{path}: changed since it was planned (size {st.st_size}, planned {self.key[0]}); re-plan")
+            self.ident = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)  # the file as opened
         except BaseException:
             self.close()
             raise
@@ -90,7 +91,7 @@ class LocalReader:
 
     def gather(self, out: np.ndarray, offset: int, run: int, stride: int, count: int) -> bool:
         assert self.fd is not None
-        return MAPS.gather(self.fd, out, offset, run, stride, count)
+        return MAPS.gather(self.fd, self.ident, out, offset, run, stride, count)
 
     def check(self) -> None:
         assert self.fd is not None

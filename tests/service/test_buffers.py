@@ -27,9 +27,13 @@ def test_reused_only_when_released() -> None:
     assert _addr(d) == addr_a and len(pool) == 3  # no one holds it now: handed out again
     other = pool.take(10, 1 << 20)  # another chunk size never gets a smaller buffer
     assert len(other.obj) == 1 << 20
+    pool.open()
+    pool.open()
     del b, d
-    pool.release_all()
-    assert len(pool) == 2  # c and other are still held
+    pool.close()
+    assert len(pool) == 4  # a stream is still open: nothing is dropped
+    pool.close()
+    assert len(pool) == 2  # the last stream closed: c and other are still held
     del c, other
     pool.release_all()
     assert len(pool) == 0
