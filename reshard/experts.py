@@ -21,7 +21,7 @@ expert is held and each source's block is as wide as its shard tensor.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -160,6 +160,16 @@ def expert_views(
                     block = block.narrow(dim, *span)
                 out[name] = ExpertView(pname, k, first.sources, e, len(experts), block, tuple(sub_held))
     return out
+
+
+def uncovered(state: Mapping[str, torch.Tensor], layout: Layout, views: Mapping[str, ExpertView],
+              names: Iterable[str]) -> tuple[list[str], list[str]]:
+    """(the model tensors of `state` that no shard tensor fills, a tied alias counting as filled with
+    its twin; the shard `names` that fill nothing): both empty when shard and model agree."""
+    placed = {n for n, m in layout.renamed.items() if m in state}
+    filled = {id(state[layout.renamed[n]]) for n in placed} | {id(state[v.param]) for v in views.values()}
+    missing = sorted(n for n, t in state.items() if id(t) not in filled)
+    return missing, sorted(set(names) - placed - views.keys())
 
 
 def partly_covered(views: Mapping[str, ExpertView]) -> list[str]:

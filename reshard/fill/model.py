@@ -29,7 +29,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from reshard.errors import CheckpointError, PlanError
-from reshard.experts import Held, expert_views, partly_covered, shard_layout
+from reshard.experts import Held, expert_views, partly_covered, shard_layout, uncovered
 from reshard.tensors import TORCH_DTYPES
 from reshard.tp.comm import tp_rank, tp_world_size
 from reshard.trainer.build import open_rank_stream
@@ -104,11 +104,8 @@ def match_targets(model: nn.Module, header: RankHeader) -> tuple[dict[str, torch
             targets[n] = v.view
             problems += _check(n, v.view, v.held, described[n], shapes[n], lambda v=v: (
                 f"expert {v.expert} of {v.param}, a view of {_describe_param(state[v.param])}"))
-    covered = {id(state[v.param]) for v in views.values()} | {id(state[m]) for n, m in layout.renamed.items()
-                                                               if n in targets}
-    missing = sorted(n for n, t in state.items() if id(t) not in covered)  # a tied alias is covered by its twin
+    missing, unexpected = uncovered(state, layout, views, shapes)
     missing += partly_covered(views)
-    unexpected = sorted(shapes.keys() - targets.keys())
     if missing or unexpected:
         problems.insert(0, f"missing from the shard: {_names(missing)}; in the shard but not in the model: "
                            f"{_names(unexpected)}")

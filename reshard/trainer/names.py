@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from reshard.errors import PlanError
-from reshard.experts import expert_views, partly_covered, shard_layout
+from reshard.experts import expert_views, partly_covered, shard_layout, uncovered
 from reshard.loaders import selection_shape
 
 Spec = dict[str, Any]
@@ -35,10 +35,7 @@ def shard_targets(model: nn.Module, specs: dict[str, Spec]) -> dict[str, torch.T
     partly = partly_covered(views)
     if partly:
         raise PlanError(f"shard and model disagree ({type(model).__name__}): {'; '.join(partly)}")
-    filled = {id(own[layout.renamed[n]]) for n in targets if n in layout.renamed}
-    filled |= {id(own[v.param]) for v in views.values()}
-    missing = sorted(n for n, t in own.items() if id(t) not in filled)
-    unknown = sorted(set(specs) - set(targets))
+    missing, unknown = uncovered(own, layout, views, specs)
     if missing or unknown:
         raise PlanError(f"shard and model disagree: the model's {missing[:3]} are not in the shard, "
                         f"the shard's {unknown[:3]} are not in the model ({type(model).__name__})")
