@@ -9,7 +9,11 @@ are cores (`--workers`, `worker_processes`); FileResponse is one uvicorn process
 `curl -o /dev/null`; its wall time is measured and the servers' process trees are sampled for RssAnon
 alongside (the server's base before the run and its peak are both recorded, so the memory per open
 stream can be read off). Servers start before and stop after each comparison (outside the timings);
-the warm-up rounds (one per worker) also fill the service's plan caches and file mappings.
+the warm-up rounds (one per worker, at least two) also fill the service's plan caches and file
+mappings, and make its copies of gathered (row-split) pieces (`service.gathered`: the second whole
+pull of a shard writes them; they are deleted before the comparisons). "reshard serve, gathering every
+pull" is the same server with those copies off (`RESHARD_GATHER_CACHE=0`): the speed of a shard's
+first pulls.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -87,18 +92,22 @@ def _check(expected: int) -> Callable[[Result], dict[str, Any]]:
 
 
 @contextlib.contextmanager
-def three_servers(root: Path, files: Path, work: Path) -> Iterator[dict[str, Any]]:
+def serve_servers(root: Path, files: Path, work: Path) -> Iterator[dict[str, Any]]:
     nginx = ensure_nginx()
-    ports = {k: free_port() for k in ("reshard", "nginx", "fileresponse")}
+    ports = {k: free_port() for k in ("reshard", "gathering", "nginx", "fileresponse")}
     logs = work / "logs"
     logs.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(root / ".reshard" / "gathered", ignore_errors=True)  # copies of an earlier run
     with server(reshard_serve_argv(root, ports["reshard"], workers=WORKERS),
                 f"http://127.0.0.1:{ports['reshard']}/healthz", log=logs / "reshard-serve.log") as rs, \
+            server(reshard_serve_argv(root, ports["gathering"], workers=WORKERS),
+                   f"http://127.0.0.1:{ports['gathering']}/healthz", env={"RESHARD_GATHER_CACHE": "0"},
+                   log=logs / "reshard-serve-gathering.log") as rg, \
             server(nginx_argv(nginx, files, work / "nginx", ports["nginx"], workers=WORKERS),
                    f"http://127.0.0.1:{ports['nginx']}/", log=logs / "nginx.log") as ng, \
             server(fileserver_argv(ports["fileresponse"]), f"http://127.0.0.1:{ports['fileresponse']}/healthz",
                    env={"BENCH_FILE_ROOT": str(files)}, log=logs / "fileresponse.log") as fr:
-        yield {"ports": ports, "pids": {"reshard": rs.pid, "nginx": ng.pid, "fileresponse": fr.pid}}
+        yield {"ports": ports, "pids": {"reshard": rs.pid, "gathering": rg.pid, "nginx": ng.pid, "fileresponse": fr.pid}}
 
 
 def serve_cases(srv: dict[str, Any], files: Path, variant: str, pulls: list[tuple[int, int]]) -> list[Case]:
@@ -110,9 +119,12 @@ def serve_cases(srv: dict[str, Any], files: Path, variant: str, pulls: list[tupl
         "nginx": [f"http://127.0.0.1:{ports['nginx']}/{n}" for n in names],
         "reshard serve": [f"http://127.0.0.1:{ports['reshard']}/v1/checkpoints/{variant}/shards/{r}?tp={tp}"
                           for tp, r in pulls],
+        "reshard serve, gathering every pull": [
+            f"http://127.0.0.1:{ports['gathering']}/v1/checkpoints/{variant}/shards/{r}?tp={tp}" for tp, r in pulls],
         "FastAPI FileResponse": [f"http://127.0.0.1:{ports['fileresponse']}/files/{n}" for n in names],
     }
-    key = {"nginx": "nginx", "reshard serve": "reshard", "FastAPI FileResponse": "fileresponse"}
+    key = {"nginx": "nginx", "reshard serve": "reshard", "reshard serve, gathering every pull": "gathering",
+           "FastAPI FileResponse": "fileresponse"}
     cases = []
     for name, us in urls.items():
         pid = pids[key[name]]
@@ -135,12 +147,12 @@ def run_serve(src: Path, work: Path, *, full: bool, reps: int) -> list[dict[str,
                  ("serve 16 clients, mixed ranks of tp 4 and 2", "default", _mixed(16))]
     root, files = prepare(src, work, sorted({v for _, v, _ in runs}))
     results = []
-    with three_servers(root, files, work) as srv:
+    with serve_servers(root, files, work) as srv:
         for title, variant, pulls in runs:
             cases = serve_cases(srv, files, variant, pulls)
             # single transfers take a fraction of a second: more rounds for the same noise
             res = interleave(title, cases, reps=reps if len(pulls) > 1 else max(reps, 7), baseline="nginx",
-                             warmup=WORKERS)  # a round per worker: each fills its own caches and mappings
+                             warmup=max(WORKERS, 2))  # a round per worker (caches, mappings); two make copies
             for name, c in res["cases"].items():
                 c["median_mb_s"] = median(r["mb_s"] for r in c["runs"])
                 c["note"] = next(x.note for x in cases if x.name == name)

@@ -1,9 +1,9 @@
 """`python -m bench.serve_options [--reps 5]`: the service's data-path options side by side with nginx.
 
 One client pulls rank 0 of tp=4 (a column-split and a row-split variant of the 1 GB checkpoint) from
-nginx and from `reshard serve` as it ships (zero-copy send, mapped row gathers, 8 MiB chunks), with
-each of those turned off or changed (`RESHARD_ZERO_COPY=false`, `RESHARD_MAPPED_READS=false`, 4, 16
-and 1 MiB chunks), and from the same app under granian when `granian` is importable (it is not a
+nginx and from `reshard serve` as it ships (zero-copy send, copies of gathered pieces, mapped row
+gathers, 8 MiB chunks), with each of those turned off or changed (`RESHARD_GATHER_CACHE=0`,
+`RESHARD_ZERO_COPY=false`, `RESHARD_MAPPED_READS=false`, 4, 16 and 1 MiB chunks), and from the same app under granian when `granian` is importable (it is not a
 dependency: `pip install granian` or put it on PYTHONPATH). Every server runs one worker per core.
 Prints, per variant and option, the throughput relative to nginx (median of per-round ratios), the
 median MB/s and the server's peak RssAnon.
@@ -16,6 +16,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -26,7 +27,8 @@ from bench.measure import median
 from bench.servers import REPO, ensure_nginx, free_port, nginx_argv, reshard_serve_argv, server
 
 OPTIONS = {  # name -> the server's environment
-    "reshard serve (sendfile, mapped gathers, 8 MiB chunks)": {},
+    "reshard serve (sendfile, copies of gathered pieces, mapped gathers, 8 MiB chunks)": {},
+    "no copies of gathered pieces (gather every pull)": {"RESHARD_GATHER_CACHE": "0"},
     "no zero-copy send": {"RESHARD_ZERO_COPY": "false"},
     "no mapped gathers (pread row blocks)": {"RESHARD_MAPPED_READS": "false"},
     "4 MiB chunks": {"RESHARD_CHUNK_SIZE": str(4 << 20)},
@@ -42,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     work = args.data / "work-options"
     root, files = prepare(data.checkpoint("1gb", root=args.data), work, ["col", "row"])
+    shutil.rmtree(root / ".reshard" / "gathered", ignore_errors=True)  # copies of an earlier run
     logs = work / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     names = ["nginx", *OPTIONS] + (["granian (the same app)"] if importlib.util.find_spec("granian") else [])
@@ -70,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
             urls = {"nginx": f"http://127.0.0.1:{ports['nginx']}/{rel}", **urls}
             cases = [Case(n, curl(u), watch=lambda pid=pids[n]: {"server": pid}, extra=_check(expected))
                      for n, u in urls.items()]
-            res = interleave(f"{variant} rank, 1 client", cases, reps=args.reps, baseline="nginx")
+            res = interleave(f"{variant} rank, 1 client", cases, reps=args.reps, baseline="nginx",
+                             warmup=max(WORKERS, 2))  # a round per worker (caches, mappings); two make copies
             results[variant] = {
                 n: {"throughput_vs_nginx": round(1 / c["ratio_to_baseline"], 2),
                     "median_mb_s": round(median(r["mb_s"] for r in c["runs"])),

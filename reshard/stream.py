@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from types import TracebackType
 
 from reshard.plan import Interleave, RankPlan, Segment
-from reshard.reads import SCRATCH, piece_reads
+from reshard.reads import SCRATCH, piece_reads, runs_array
 from reshard.sources.readers import Prefetcher, Reader, RemoteReader, open_reader
 
 CHUNK = 8 << 20
@@ -48,6 +48,7 @@ class RankStream:
                         pos += seg.nbytes
             assert pos == self.size
         self._starts, self._pieces = starts, pieces
+        self._copies: dict[int, tuple[int, int]] = {}  # piece index -> (fd, offset) of a copy of its bytes
         try:
             for path, key in plan.files.items():
                 self._readers[path] = open_reader(path, key)
@@ -102,15 +103,14 @@ class RankStream:
         while pos < end:
             piece, base = self._pieces[i], self._starts[i]
             hi = min(base + (len(piece) if isinstance(piece, bytes) else piece.nbytes), end)
+            fd, at = (self._readers[piece.file].fd, piece.offset) if self._direct(piece) else self._copies.get(i, (None, 0))
             i += 1
-            fd = (self._readers[piece.file].fd if isinstance(piece, Segment) and piece.contiguous
-                  and piece.file is not None else None)
             if fd is not None and hi - pos >= direct_min:
                 while pending < pos:
                     n = min(chunk_size, pos - pending)
                     yield pending, n, None
                     pending += n
-                yield pos, hi - pos, (fd, piece.offset + pos - base)
+                yield pos, hi - pos, (fd, at + pos - base)
                 pending = hi
             pos = hi
             while pos - pending >= chunk_size:
@@ -118,6 +118,27 @@ class RankStream:
                 pending += chunk_size
         if pending < end:
             yield pending, end - pending, None
+
+    def _direct(self, piece: bytes | Segment | Interleave) -> bool:
+        """Whether a kernel copy can take the piece straight from its (local) source file."""
+        return (isinstance(piece, Segment) and piece.contiguous and piece.file is not None
+                and self._readers[piece.file].fd is not None)
+
+    def gathered(self, min_bytes: int) -> list[tuple[int, int, int]]:
+        """(index, output offset, length) of each piece of at least `min_bytes` that is gathered from
+        local source files (strided or interleaved), in order: what a sink keeping a contiguous copy
+        of them (`service.gathered`) copies, so that `runs` can yield them as file ranges later."""
+        out = []
+        for i, piece in enumerate(self._pieces):
+            if (isinstance(piece, (Segment, Interleave)) and piece.nbytes >= min_bytes and not self._direct(piece)
+                    and all(f is not None and self._readers[f].fd is not None for f in _files(piece))):
+                out.append((i, self._starts[i], piece.nbytes))
+        return out
+
+    def use_copies(self, copies: dict[int, tuple[int, int]]) -> None:
+        """Read pieces (by index) from (fd, offset) of a file holding their bytes: `runs` yields them as
+        ranges of that file (the caller keeps the descriptors open while the stream is used)."""
+        self._copies = copies
 
     def read_into(self, pos: int, out: memoryview) -> None:
         """Fill `out` with the stream's bytes starting at `pos`."""
@@ -157,16 +178,18 @@ class RankStream:
             if rd.count == 1:
                 reader.pread(dst[rd.dst : rd.dst + rd.run], rd.offset)
                 continue
-            import numpy as np  # only strided (row-split) tensors need it
-            out = np.frombuffer(dst, np.uint8)[rd.dst : rd.dst + (rd.count - 1) * rd.step + rd.run]
-            out = np.lib.stride_tricks.as_strided(out, (rd.count, rd.run), (rd.step, 1))
+            out = runs_array(dst, rd.dst, rd.run, rd.step, rd.count)
             if reader.gather(out, rd.offset, rd.run, rd.stride, rd.count):
                 continue
             scratch = self._scratch_view(rd.span)
             reader.pread_runs(scratch, rd.offset, rd.run, rd.stride, rd.count)
-            out[...] = np.lib.stride_tricks.as_strided(np.frombuffer(scratch, np.uint8), (rd.count, rd.run), (rd.stride, 1))
+            out[...] = runs_array(scratch, 0, rd.run, rd.stride, rd.count)
 
     def _scratch_view(self, n: int) -> memoryview:
         if self._scratch is None or len(self._scratch) < n:
             self._scratch = bytearray(max(n, min(SCRATCH, 1 << 20)))
         return memoryview(self._scratch)[:n]
+
+
+def _files(piece: Segment | Interleave) -> list[str | None]:
+    return [p.file for p in piece.parts if p.file is not None] if isinstance(piece, Interleave) else [piece.file]

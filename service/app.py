@@ -24,7 +24,8 @@ from service.middleware import DOC_PATHS, PUBLIC_PATHS, BearerAuth, BodyLimit, R
 from service.routers import checkpoints, health, jobs, metrics, shards
 from service.settings import Settings
 from service.store import StateStore
-from service.streaming import DigestCache, StreamContext
+from service.gathered import GatherCache
+from service.streaming import DIRECT_MIN, DigestCache, StreamContext
 from service.workers import stop_on_signals
 
 DESCRIPTION = """Tensor-parallel workers pull exactly their own shard of a checkpoint that lives only on
@@ -79,8 +80,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.digests = digests
     app.state.jobs = job_manager
     app.state.metrics = service_metrics
+    gather_dir = settings.gather_dir.expanduser() if settings.gather_dir is not None else settings.state_dir / "gathered"
+    gathered = GatherCache.create(gather_dir, settings.gather_cache, DIRECT_MIN) if settings.zero_copy else None
     app.state.stream_context = StreamContext(service_metrics, settings.chunk_size, settings.io_threads,
-                                              settings.send_timeout)
+                                              settings.send_timeout, gathered)
     install_error_handlers(app)
 
     # the token is checked by middleware (one place, every route); this declares it in the OpenAPI doc

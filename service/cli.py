@@ -21,6 +21,7 @@ def _settings(args: argparse.Namespace) -> Any:
         "root": args.root, "host": args.host, "port": args.port, "token": args.token, "out": args.out,
         "max_upload_bytes": args.max_upload_bytes, "chunk_size": args.chunk_size, "log_level": args.log_level,
         "public_docs": args.public_docs, "workers": args.workers, "zero_copy": args.zero_copy,
+        "gather_cache": args.gather_cache,
     }
     try:
         return Settings(**{k: v for k, v in flags.items() if v is not None})
@@ -64,6 +65,9 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--workers", type=int, help="worker processes sharing the port (default: one per core)")
     p.add_argument("--no-zero-copy", dest="zero_copy", action="store_false", default=None,
                    help="copy every byte through Python instead of sendfile (env RESHARD_ZERO_COPY=false)")
+    p.add_argument("--gather-cache", type=int, metavar="BYTES",
+                   help="keep copies of the row-split pieces of shards pulled more than once, up to BYTES in "
+                        "ROOT/.reshard/gathered or RESHARD_GATHER_DIR (default 8 GiB; 0: off; env RESHARD_GATHER_CACHE)")
     p.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug", "trace"])
     p.add_argument("--public-docs", action="store_true", default=None, help="/docs without the token")
     p.add_argument("--no-access-log", action="store_true", help="do not log every request")

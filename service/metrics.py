@@ -76,7 +76,9 @@ class ServiceMetrics:
             buckets=(0.001, 0.005, 0.025, 0.1, 0.5, 2.5, 10, 60, 300), registry=reg)
         self.bytes_served = Counter("reshard_shard_bytes_served", "Shard body bytes sent", registry=reg)
         self.bytes_sendfile = Counter("reshard_shard_bytes_sendfile", "Shard body bytes of those sent by the "
-                                      "kernel from the source files (zero-copy send)", registry=reg)
+                                      "kernel from the source files or copies of gathered pieces (zero-copy send)", registry=reg)
+        self.gathered = Counter("reshard_gathered_copies", "Copies of shards' gathered pieces (service.gathered), "
+                                "by event: used (a pull sent them from the copy), written", ["event"], registry=reg)
         self.active_streams = Gauge("reshard_active_streams", "Shard bodies being sent now", registry=reg,
                                     multiprocess_mode="livesum")
         self.streams = Counter("reshard_shard_streams",

@@ -41,6 +41,11 @@ class Settings(BaseSettings):
     mapped_reads: bool = Field(True, description="`reshard serve` gathers row-split (strided) runs straight from "
                                "memory mappings of the source files, each guarded by a read lease (see "
                                "reshard.sources.mapped); off: read the covering row blocks with pread and gather")
+    gather_cache: int = Field(8 << 30, ge=0, description="bytes of copies of the gathered (row-split) pieces of "
+                              "shards pulled whole more than once, kept in GATHER_DIR and sent with sendfile "
+                              "like source ranges (see service.gathered); 0: gather on every pull")
+    gather_dir: Path | None = Field(None, description="where the copies of gathered pieces go, shared by the "
+                                    "workers (default ROOT/.reshard/gathered)")
     io_threads: int = Field(32, ge=1, le=1024, description="threads reading shard bytes for all streams")
     job_workers: int = Field(1, ge=1, le=64, description="background write jobs run at once, per worker process")
     workers: int = Field(default_factory=lambda: len(os.sched_getaffinity(0)), ge=1, le=256,

@@ -3,7 +3,8 @@
 The body is produced by the same `RankStream` that `reshard write` uses, so the bytes are identical.
 Where the server offers ASGI's zero-copy send (`reshard serve` does: `service.zerocopy`), every
 contiguous range of a local source file of at least `DIRECT_MIN` bytes goes from the page cache to
-the socket by `sendfile`, and the source files are checked after each range: a file that changed
+the socket by `sendfile`, and so do the gathered (row-split) pieces of a shard pulled before, from
+their copy (`service.gathered`); the source files are checked after each range: a file that changed
 cuts the body short. Everything else (the header, strided row-split runs, padding, and the whole body
 while it is being hashed) is read by a thread into chunk buffers while the event loop sends
 the previous one, checked after each read, so those bytes never mix two versions of a file. Chunk
@@ -37,6 +38,7 @@ from reshard.stream import RankStream
 from service.buffers import POOL
 from service.catalog import LRU
 from service.errors import RangeNotSatisfiable, response_for, served_root
+from service.gathered import Copier, Copy, GatherCache
 from service.metrics import ServiceMetrics
 from service.store import StateStore
 
@@ -149,6 +151,7 @@ class StreamContext:
     chunk_size: int
     threads: int
     send_timeout: float = 120.0
+    gathered: GatherCache | None = None  # copies of gathered pieces (`service.gathered`), if kept
     _limiter: anyio.CapacityLimiter | None = None
     _loop: Any = None
 
@@ -171,6 +174,7 @@ class ShardResponse(Response):
         """`on_digest` receives the sha256 of the whole shard once a full body has been read from
         unchanged sources (even if the client then hangs up): the first download fills the cache."""
         self.plan, self.ctx, self.head, self.on_digest = plan, ctx, head, on_digest
+        self.etag = (headers or {}).get("ETag")
         self.start, self.end = start, plan.size if end is None else end
         self.status_code = status_code
         self.background = None
@@ -182,28 +186,45 @@ class ShardResponse(Response):
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
             return
+        cache = self.ctx.gathered if ZERO_COPY in scope.get("extensions", {}) and self.etag else None
+        whole = (self.start, self.end) == (0, self.plan.size)
+
+        def open_stream() -> tuple[RankStream, Copy | Copier | None]:
+            stream = RankStream(self.plan, chunk_size=self.ctx.chunk_size)
+            try:
+                return stream, cache.attach(stream, self.etag, whole=whole) if cache is not None else None
+            except OSError as e:  # the copies' directory: this pull gathers as if there were none
+                log.warning("copies of gathered pieces unusable: %s", e)
+                return stream, None
+
         try:  # open (and check) the sources before the status line, so failures still get a JSON answer
-            stream = await anyio.to_thread.run_sync(
-                lambda: RankStream(self.plan, chunk_size=self.ctx.chunk_size), limiter=self.ctx.limiter())
+            stream, copy = await anyio.to_thread.run_sync(open_stream, limiter=self.ctx.limiter())
         except ReshardError as e:
             await response_for(e, hide=served_root(scope.get("app")))(scope, receive, send)
             return
         m = self.ctx.metrics
+        if isinstance(copy, Copy):
+            m.gathered.labels("used").inc()
         m.active_streams.inc()
         POOL.open()
         t0 = time.monotonic()
         outcome = "error"
         try:
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-            outcome = await self._body(stream, scope, receive, send)
+            outcome = await self._body(stream, copy, scope, receive, send)
         finally:
             stream.close()  # the reader thread has returned: cancellation waits for it
+            if copy is not None:
+                copy.close()
+                if isinstance(copy, Copier) and copy.published:
+                    m.gathered.labels("written").inc()
             POOL.close()  # the process's last stream: its chunk buffers go back to the OS
             m.active_streams.dec()
             m.streams.labels(outcome).inc()
             m.stream_seconds.observe(time.monotonic() - t0)
 
-    async def _body(self, stream: RankStream, scope: Scope, receive: Receive, send: Send) -> str:
+    async def _body(self, stream: RankStream, copy: Copy | Copier | None, scope: Scope, receive: Receive,
+                    send: Send) -> str:
         """Send the body; return 'complete', 'disconnected', or 'error' / 'timeout' (then the body is
         cut short: a source changed, or the client took no chunk for `send_timeout` seconds)."""
         m, chunk = self.ctx.metrics, self.ctx.chunk_size
@@ -218,6 +239,8 @@ class ShardResponse(Response):
         def read(pos: int, n: int) -> memoryview:  # called for one run at a time, in order
             buf = POOL.take(n, chunk)  # reused once the transport has let go of it; read_into fills all n
             stream.read_into(pos, buf)  # checks afterwards that no source changed
+            if copy is not None:
+                copy.feed(pos, buf)
             if sha is not None:
                 sha.update(buf)
                 if pos + n == self.end and self.on_digest is not None:  # cached before the last byte leaves

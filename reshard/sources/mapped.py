@@ -32,6 +32,8 @@ import threading
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
+from reshard.reads import runs_array
+
 if TYPE_CHECKING:
     import numpy as np
 
@@ -87,18 +89,16 @@ class MappedFiles:
     def gather(self, fd: int, ident: tuple[int, int, int, int], out: np.ndarray, offset: int, run: int,
                stride: int, count: int) -> bool:
         """Copy the `count` runs of `run` bytes `stride` apart from `offset` of the file open on `fd`
-        (`ident`: its device, inode, size and mtime when opened) into `out` (shape (count, run));
+        (`ident`: its device, inode, size and mtime when opened) into `out` (`reshard.reads.runs_array`);
         False if the file cannot be mapped now (read it instead)."""
         m = self._acquire(fd, ident) if self.enabled else None
         if m is None:
             return False
-        import numpy as np
-
         try:
             if offset + (count - 1) * stride + run > m.size:
                 return False  # not in the file as mapped: let pread report it
             assert m.array is not None
-            out[...] = np.lib.stride_tricks.as_strided(m.array[offset:], (count, run), (stride, 1))
+            out[...] = runs_array(m.array, offset, run, stride, count)
             return True
         finally:
             self._release(m)

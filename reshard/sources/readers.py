@@ -52,7 +52,7 @@ class Reader(Protocol):
         covers them); the bytes between runs are unspecified."""
 
     def gather(self, out: np.ndarray, offset: int, run: int, stride: int, count: int) -> bool:
-        """The same runs straight into `out` (shape (count, run)) where the reader can (a leased
+        """The same runs straight into `out` (their `reshard.reads.runs_array`) where the reader can (a leased
         mapping, `reshard.sources.mapped`); False: use `pread_runs`."""
 
     def check(self) -> None:

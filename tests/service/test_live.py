@@ -156,8 +156,10 @@ def _sendfile_bytes(ckpt: Path, tp: int, rank: int, lo: int, hi: int) -> int:
 def test_contiguous_ranges_go_out_by_sendfile(server: LiveServer, ckpt_root: Path, written: Any) -> None:
     """Once a shard's digest is known, its contiguous source ranges are sent by the kernel (whole
     bodies and ranges alike), with the same bytes; `--no-zero-copy` sends none that way."""
+    # new mtimes, so no copy of gathered pieces (service.gathered) from earlier pulls serves this one
+    shutil.copytree(ckpt_root / BIG, ckpt_root / "fresh-sendfile", copy_function=shutil.copyfile)
     want = (written(BIG, 2) / rank_file_name(1, 2)).read_bytes()
-    url, params = shard_url(server, BIG, 1), {"tp": 2}
+    url, params = shard_url(server, "fresh-sendfile", 1), {"tp": 2}
     httpx.get(url + "/digest", params=params, timeout=60)
     expected = _sendfile_bytes(ckpt_root / BIG, 2, 1, 0, len(want))
     assert expected > len(want) // 2
