@@ -18,13 +18,13 @@ from fastapi.security import HTTPBearer
 import reshard
 from service.catalog import Catalog
 from service.errors import install_error_handlers
+from service.gathered import GatherCache
 from service.jobs import JobManager
 from service.metrics import ServiceMetrics
 from service.middleware import DOC_PATHS, PUBLIC_PATHS, BearerAuth, BodyLimit, RequestMetrics
 from service.routers import checkpoints, health, jobs, metrics, shards
 from service.settings import Settings
 from service.store import StateStore
-from service.gathered import GatherCache
 from service.streaming import DIRECT_MIN, DigestCache, StreamContext
 from service.workers import stop_on_signals
 
