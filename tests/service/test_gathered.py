@@ -18,6 +18,7 @@ from test_live import _raw_request, _sendfile_bytes, metric
 
 from reshard.plan import Interleave, Segment, make_plan, rank_file_name
 from reshard.sources import open_source
+from service.gathered import LEAD
 from service.streaming import DIRECT_MIN
 
 pytestmark = pytest.mark.timeout(180)
@@ -67,10 +68,10 @@ def test_second_whole_pull_keeps_a_copy_later_pulls_send_it(root: Path, written:
         assert not [n for n in copies(root) if n.endswith(".bin")]  # pulled once: a marker only
         assert http.get(url, params=params).content == want
         made = {n: s for n, s in copies(root).items() if n.endswith(".bin")}
-        assert list(made.values()) == [total]
+        assert list(made.values()) == [LEAD + total]
         assert metric(srv, 'reshard_gathered_copies_total{event="written"}') == 1
         copy = (root / ".reshard" / "gathered" / next(iter(made))).read_bytes()
-        assert copy == b"".join(want[o : o + n] for o, n in pieces)  # the pieces, in order, nothing else
+        assert copy[LEAD:] == b"".join(want[o : o + n] for o, n in pieces)  # the pieces, in order, nothing else
         for _ in range(4):  # both workers: the copy is in the directory they share
             before = metric(srv, "reshard_shard_bytes_sendfile_total")
             assert http.get(url, params=params).content == want
@@ -105,7 +106,7 @@ def test_changed_source_never_meets_an_old_copy(root: Path, tmp_path: Path) -> N
 
 def test_copies_past_the_cap_are_evicted_oldest_first(root: Path) -> None:
     sizes = [sum(n for _, n in gathered_pieces(root / "m", r)) for r in range(TP)]
-    with live_server(root, gather_cache=max(sizes) + 1) as srv, httpx.Client(timeout=60) as http:
+    with live_server(root, gather_cache=LEAD + max(sizes) + 1) as srv, httpx.Client(timeout=60) as http:
         for rank in range(TP):
             for _ in range(2):
                 http.get(_url(srv, rank), params={"tp": TP})
