@@ -135,6 +135,13 @@ class RankStream:
                 out.append((i, self._starts[i], piece.nbytes))
         return out
 
+    def piece_bytes(self, i: int) -> int:
+        """The length of piece `i` (IndexError past the last)."""
+        if not 0 <= i < len(self._starts):
+            raise IndexError(i)
+        piece = self._pieces[i]
+        return len(piece) if isinstance(piece, bytes) else piece.nbytes
+
     def use_copies(self, copies: dict[int, tuple[int, int]]) -> None:
         """Read pieces (by index) from (fd, offset) of a file holding their bytes: `runs` yields them as
         ranges of that file (the caller keeps the descriptors open while the stream is used)."""

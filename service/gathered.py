@@ -5,20 +5,25 @@ a copy nginx serving a pre-written rank file never makes, plus the copy into the
 rank goes out at 0.6-0.8x nginx on the benchmark's two cores). A storage node serves each rank to
 several workers (the data-parallel replicas of a TP group, restarts), so once a shard has been pulled
 whole twice, its gathered pieces (`RankStream.gathered`: strided or interleaved pieces of local source
-files, each at least `DIRECT_MIN` bytes) are kept, in order, in one file (from byte `LEAD` on), and every later pull of
-the shard, whole or a range, by any worker, sends them from that file with `sendfile`.
+files, each at least `DIRECT_MIN` bytes) are kept in one file, and every later pull of the shard,
+whole or a range, by any worker, sends them from that file with `sendfile`.
 
+- A copy holds the pieces in order from byte `LEAD` on, then an index (piece number, offset) and its
+  length, checked against the stream's pieces whenever the copy is opened: one file, renamed into
+  place whole, that needs no planning to use.
 - Key: the shard's ETag (the plan digest, which covers the sources' size and mtime, the manifest and
   tp; and the rank), so a changed source never meets an old copy. The stream still checks its
   sources after every range, as for any pull.
 - Admission: the first whole pull leaves an empty marker; a whole pull that finds it writes the copy
   as it reads (`pwrite` in the reader thread), under a temporary name that is renamed only once every
   byte has been written from sources that did not change: a partial copy is never used. A shard
-  pulled once costs a marker.
-- Bounded: at most `gather_cache` bytes (`RESHARD_GATHER_CACHE`, `--gather-cache`; 0 turns copies off)
-  in ROOT/.reshard/gathered (`RESHARD_GATHER_DIR`), shared by the workers; past it the least recently used copies are deleted (a stream
-  that has one open keeps reading it). A full disk or a directory that cannot be written stops copies
-  from being written (logged once); it never fails a pull.
+  pulled once costs a marker; one with nothing to copy gets a `.none` marker and is not looked at
+  again (markers are swept after `STALE`).
+- Bounded: at most `gather_cache` bytes (`RESHARD_GATHER_CACHE`, `--gather-cache`; 0 turns copies
+  off) in ROOT/.reshard/gathered (`RESHARD_GATHER_DIR`), shared by the workers; past it the least
+  recently used copies are deleted (a stream that has one open keeps reading it). A full disk or a
+  directory that cannot be written stops copies from being written (logged once); it never fails a
+  pull.
 """
 
 from __future__ import annotations
@@ -27,12 +32,14 @@ import contextlib
 import itertools
 import logging
 import os
+import struct
 import threading
 import time
+from array import array
+from collections.abc import Iterator
 from pathlib import Path
 
 from reshard.stream import RankStream
-from service.catalog import LRU
 
 log = logging.getLogger("reshard.service")
 
@@ -49,7 +56,6 @@ class GatherCache:
 
     def __init__(self, directory: Path, max_bytes: int, min_piece: int) -> None:
         self.dir, self.max_bytes, self.min_piece = directory, max_bytes, min_piece
-        self._layouts: LRU[str, list[tuple[int, int, int]]] = LRU(256)  # ETag -> gathered pieces
         self._lock = threading.Lock()
         self._warned = False
 
@@ -79,37 +85,28 @@ class GatherCache:
         except OSError:
             fd = -1
         if fd >= 0:
-            layout = self._layout(name, stream)
-            if os.fstat(fd).st_size == LEAD + sum(n for _, _, n in layout):
+            try:
+                copies = _read_index(fd, stream)
+            except (OSError, ValueError, IndexError):
+                copies = None
+            if copies is not None:
                 with contextlib.suppress(OSError):
                     os.utime(path)  # most recently used
-                offsets = itertools.accumulate((n for _, _, n in layout), initial=LEAD)
-                stream.use_copies({i: (fd, at) for (i, _, _), at in zip(layout, offsets)})
+                stream.use_copies({i: (fd, at) for i, at in copies.items()})
                 return Copy(fd)
-            os.close(fd)  # not this layout (written under other settings): replace it
-        if not whole:
+            os.close(fd)  # damaged, or not a copy this code wrote: this pull replaces it
+        if not whole or (self.dir / f"{name}.none").exists():
             return None
         marker = self.dir / f"{name}.seen"
-        if not marker.exists():
+        if fd < 0 and not marker.exists():
             with contextlib.suppress(OSError):
                 marker.touch()
             return None
-        layout = self._layout(name, stream)
-        total = sum(n for _, _, n in layout)
-        if not layout or LEAD + total > self.max_bytes:
-            return None
         try:
-            return Copier(self, name, layout, total)
+            return Copier(self, name, stream)
         except OSError as e:
             self.failed(e)
             return None
-
-    def _layout(self, name: str, stream: RankStream) -> list[tuple[int, int, int]]:
-        layout = self._layouts.get(name)
-        if layout is None:
-            layout = stream.gathered(self.min_piece)
-            self._layouts.put(name, layout)
-        return layout
 
     def failed(self, e: OSError) -> None:
         if not self._warned:
@@ -154,21 +151,35 @@ class Copy:
 
 
 class Copier:
-    """Writes the gathered pieces of a whole body, in order, as the stream reads them."""
+    """Writes the gathered pieces of a whole body, in order, as the stream reads them; the list of
+    them (`RankStream.gathered`, one pass over the plan's pieces) is made at the first read, in the
+    reader thread, so the response's status line never waits for it."""
 
-    def __init__(self, cache: GatherCache, name: str, layout: list[tuple[int, int, int]], total: int) -> None:
-        self.cache, self.name, self.total, self.written = cache, name, total, 0
+    def __init__(self, cache: GatherCache, name: str, stream: RankStream) -> None:
+        self.cache, self.name, self.stream = cache, name, stream
         self.tmp = cache.dir / f"{name}.{os.getpid()}-{next(_SEQ)}.tmp"
         self.fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        offsets = itertools.accumulate((n for _, _, n in layout), initial=LEAD)
-        self._pieces = [(start, n, at) for (_, start, n), at in zip(layout, offsets)]
-        self._next = 0
+        self._pieces: list[tuple[int, int, int]] | None = None  # (start in the body, length, offset in the copy)
+        self._next = self.written = self.total = 0
         self.published = False
+
+    def _plan(self) -> list[tuple[int, int, int]]:
+        layout = self.stream.gathered(self.cache.min_piece)
+        self.total = sum(n for _, _, n in layout)
+        if not layout or LEAD + self.total + 16 * len(layout) + 8 > self.cache.max_bytes:
+            with contextlib.suppress(OSError):  # nothing to copy (within the cap): later pulls need not look
+                (self.cache.dir / f"{self.name}.none").touch()
+            self.close()
+            return []
+        self._index = array("q", [x for (i, _, _), at in zip(layout, _offsets(layout)) for x in (i, at)])
+        return [(start, n, at) for (_, start, n), at in zip(layout, _offsets(layout))]
 
     def feed(self, pos: int, buf: memoryview) -> None:
         """Bytes [pos, pos + len(buf)) of the body (read runs come in order; the pieces are all in them)."""
         if self.fd < 0:
             return
+        if self._pieces is None:
+            self._pieces = self._plan()
         end = pos + len(buf)
         try:
             while self._next < len(self._pieces):
@@ -183,7 +194,9 @@ class Copier:
                 if start + n > end:
                     break
                 self._next += 1
-            if self.written == self.total:
+            if self._pieces and self.written == self.total:
+                tail = self._index.tobytes() + struct.pack("<q", len(self._index) // 2)
+                os.pwrite(self.fd, tail, LEAD + self.total)
                 fd, self.fd = self.fd, -1
                 os.close(fd)
                 os.rename(self.tmp, self.cache.dir / f"{self.name}.bin")
@@ -201,3 +214,28 @@ class Copier:
         if not self.published:
             with contextlib.suppress(OSError):
                 os.unlink(self.tmp)
+
+
+def _offsets(layout: list[tuple[int, int, int]]) -> Iterator[int]:
+    """Where each piece goes in the copy: in order, from `LEAD` on."""
+    return itertools.accumulate((n for _, _, n in layout), initial=LEAD)
+
+
+def _read_index(fd: int, stream: RankStream) -> dict[int, int]:
+    """The copy's index (piece number -> offset in the copy), from its last bytes: the pieces, then
+    (number, offset) pairs as int64, then their count; checked against the file's size and the
+    stream's pieces (each piece's bytes end where the next one's begin)."""
+    size = os.fstat(fd).st_size
+    (count,) = struct.unpack("<q", os.pread(fd, 8, size - 8))
+    if not 0 < count <= (size - LEAD) // 24:
+        raise ValueError("not a copy")
+    index = array("q")
+    index.frombytes(os.pread(fd, 16 * count, size - 8 - 16 * count))
+    at = LEAD
+    for i, offset in zip(index[::2], index[1::2]):
+        if offset != at:
+            raise ValueError("not a copy of this stream's pieces")
+        at += stream.piece_bytes(i)
+    if at != size - 8 - 16 * count:
+        raise ValueError("not a copy of this stream's pieces")
+    return dict(zip(index[::2], index[1::2]))

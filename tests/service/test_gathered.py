@@ -68,10 +68,10 @@ def test_second_whole_pull_keeps_a_copy_later_pulls_send_it(root: Path, written:
         assert not [n for n in copies(root) if n.endswith(".bin")]  # pulled once: a marker only
         assert http.get(url, params=params).content == want
         made = {n: s for n, s in copies(root).items() if n.endswith(".bin")}
-        assert list(made.values()) == [LEAD + total]
+        assert list(made.values()) == [LEAD + total + 16 * len(pieces) + 8]  # pieces, then their index
         assert metric(srv, 'reshard_gathered_copies_total{event="written"}') == 1
         copy = (root / ".reshard" / "gathered" / next(iter(made))).read_bytes()
-        assert copy[LEAD:] == b"".join(want[o : o + n] for o, n in pieces)  # the pieces, in order, nothing else
+        assert copy[LEAD : LEAD + total] == b"".join(want[o : o + n] for o, n in pieces)  # the pieces, in order
         for _ in range(4):  # both workers: the copy is in the directory they share
             before = metric(srv, "reshard_shard_bytes_sendfile_total")
             assert http.get(url, params=params).content == want
@@ -105,8 +105,8 @@ def test_changed_source_never_meets_an_old_copy(root: Path, tmp_path: Path) -> N
 
 
 def test_copies_past_the_cap_are_evicted_oldest_first(root: Path) -> None:
-    sizes = [sum(n for _, n in gathered_pieces(root / "m", r)) for r in range(TP)]
-    with live_server(root, gather_cache=LEAD + max(sizes) + 1) as srv, httpx.Client(timeout=60) as http:
+    sizes = [LEAD + sum(n for _, n in p) + 16 * len(p) + 8 for p in (gathered_pieces(root / "m", r) for r in range(TP))]
+    with live_server(root, gather_cache=max(sizes) + 1) as srv, httpx.Client(timeout=60) as http:
         for rank in range(TP):
             for _ in range(2):
                 http.get(_url(srv, rank), params={"tp": TP})
@@ -137,3 +137,27 @@ def test_an_unusable_directory_only_turns_copies_off(root: Path, written: Any) -
             assert httpx.get(_url(srv, 1), params={"tp": TP}, timeout=60).content == want
         assert "gathered pieces are not kept" in srv.log()
         assert metric(srv, 'reshard_gathered_copies_total{event="written"}') == 0
+
+
+def test_nothing_to_copy_and_a_damaged_copy(root: Path, written: Any) -> None:
+    """A shard without gathered pieces is looked at once (then a `.none` marker); a copy whose index
+    does not match the file (cut short, say) is not used, and the next whole pull replaces it."""
+    want = (written(BIG, TP) / rank_file_name(1, TP)).read_bytes()
+    d = root / ".reshard" / "gathered"
+    with live_server(root) as srv, httpx.Client(timeout=60) as http:
+        for _ in range(3):  # tp=1: every tensor whole, contiguous in its file
+            http.get(f"{srv.ckpt_url('m')}/shards/0", params={"tp": 1})
+        assert [n for n in copies(root) if n.endswith((".none", ".bin", ".tmp"))] == [
+            next(n for n in copies(root) if n.endswith(".none"))]
+        for _ in range(2):
+            assert http.get(_url(srv, 1), params={"tp": TP}).content == want
+        (copy,) = d.glob("*.bin")
+        size = copy.stat().st_size
+        with open(copy, "r+b") as f:
+            f.truncate(size - 24)  # the index no longer adds up
+        used = metric(srv, 'reshard_gathered_copies_total{event="used"}')
+        assert http.get(_url(srv, 1), params={"tp": TP}).content == want  # gathered; rewrites the copy
+        assert metric(srv, 'reshard_gathered_copies_total{event="used"}') == used
+        assert copy.stat().st_size == size
+        assert http.get(_url(srv, 1), params={"tp": TP}).content == want
+        assert metric(srv, 'reshard_gathered_copies_total{event="used"}') == used + 1
