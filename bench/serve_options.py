@@ -3,7 +3,8 @@
 One client pulls rank 0 of tp=4 (a column-split and a row-split variant of the 1 GB checkpoint) from
 nginx and from `reshard serve` as it ships (zero-copy send, copies of gathered pieces, mapped row
 gathers, 8 MiB chunks), with each of those turned off or changed (`RESHARD_GATHER_CACHE=0`,
-`RESHARD_ZERO_COPY=false`, `RESHARD_MAPPED_READS=false`, 4, 16 and 1 MiB chunks), and from the same app under granian when `granian` is importable (it is not a
+`RESHARD_ZERO_COPY=false`, `RESHARD_MAPPED_READS=false`, 4, 16 and 1 MiB chunks; those variants all
+gather every pull), and from the same app under granian when `granian` is importable (it is not a
 dependency: `pip install granian` or put it on PYTHONPATH). Every server runs one worker per core.
 Prints, per variant and option, the throughput relative to nginx (median of per-round ratios), the
 median MB/s and the server's peak RssAnon.
@@ -26,14 +27,16 @@ from bench.interleave import Case, interleave
 from bench.measure import median
 from bench.servers import REPO, ensure_nginx, free_port, nginx_argv, reshard_serve_argv, server
 
-OPTIONS = {  # name -> the server's environment
+NO_COPIES = {"RESHARD_GATHER_CACHE": "0"}
+OPTIONS = {  # name -> the server's environment; all but the first gather every pull (the copies of
+    # gathered pieces would otherwise stand in for the row path each option changes)
     "reshard serve (sendfile, copies of gathered pieces, mapped gathers, 8 MiB chunks)": {},
-    "no copies of gathered pieces (gather every pull)": {"RESHARD_GATHER_CACHE": "0"},
-    "no zero-copy send": {"RESHARD_ZERO_COPY": "false"},
-    "no mapped gathers (pread row blocks)": {"RESHARD_MAPPED_READS": "false"},
-    "4 MiB chunks": {"RESHARD_CHUNK_SIZE": str(4 << 20)},
-    "16 MiB chunks": {"RESHARD_CHUNK_SIZE": str(16 << 20)},
-    "1 MiB chunks": {"RESHARD_CHUNK_SIZE": str(1 << 20)},
+    "no copies of gathered pieces (gather every pull)": NO_COPIES,
+    "no zero-copy send": {**NO_COPIES, "RESHARD_ZERO_COPY": "false"},
+    "no mapped gathers (pread row blocks)": {**NO_COPIES, "RESHARD_MAPPED_READS": "false"},
+    "4 MiB chunks": {**NO_COPIES, "RESHARD_CHUNK_SIZE": str(4 << 20)},
+    "16 MiB chunks": {**NO_COPIES, "RESHARD_CHUNK_SIZE": str(16 << 20)},
+    "1 MiB chunks": {**NO_COPIES, "RESHARD_CHUNK_SIZE": str(1 << 20)},
 }
 
 
