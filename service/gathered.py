@@ -87,7 +87,7 @@ class GatherCache:
         if fd >= 0:
             try:
                 copies = _read_index(fd, stream)
-            except (OSError, ValueError, IndexError):
+            except (OSError, ValueError, IndexError, struct.error):  # struct.error: shorter than an index
                 copies = None
             if copies is not None:
                 with contextlib.suppress(OSError):

@@ -161,3 +161,7 @@ def test_nothing_to_copy_and_a_damaged_copy(root: Path, written: Any) -> None:
         assert copy.stat().st_size == size
         assert http.get(_url(srv, 1), params={"tp": TP}).content == want
         assert metric(srv, 'reshard_gathered_copies_total{event="used"}') == used + 1
+        copy.write_bytes(b"tiny")  # shorter than any index
+        assert http.get(_url(srv, 1), params={"tp": TP}).content == want
+        assert copy.stat().st_size == size  # rewritten
+        assert "Traceback" not in srv.log()
