@@ -16,7 +16,9 @@ whole or a range, by any worker, sends them from that file with `sendfile`.
   sources after every range, as for any pull.
 - Admission: the first whole pull leaves an empty marker; a whole pull that finds it writes the copy
   as it reads (`pwrite` in the reader thread), under a temporary name that is renamed only once every
-  byte has been written from sources that did not change: a partial copy is never used. A shard
+  byte has been written from sources that did not change: a partial copy is never used. One pull
+  at a time writes a shard's copy (the temporary name is the shard's; concurrent pulls of it just
+  gather), so a start-up storm of workers writes each copy once. A shard
   pulled once costs a marker; one with nothing to copy gets a `.none` marker and is not looked at
   again (markers are swept after `STALE`).
 - Bounded: at most `gather_cache` bytes (`RESHARD_GATHER_CACHE`, `--gather-cache`; 0 turns copies
@@ -48,7 +50,6 @@ STALE = 3600.0  # seconds: markers and orphaned temporary files older than this 
 # (its header's length); on loopback, sendfile of page-aligned ranges measured 10-20% slower
 # (73-79 ms for 200 MiB from offsets 8 to 4000, 83-95 ms from 0 and 4096; a throwaway script)
 LEAD = 2048
-_SEQ = itertools.count()
 
 
 class GatherCache:
@@ -104,6 +105,8 @@ class GatherCache:
             return None
         try:
             return Copier(self, name, stream)
+        except FileExistsError:  # another pull is writing this copy
+            return None
         except OSError as e:
             self.failed(e)
             return None
@@ -157,7 +160,7 @@ class Copier:
 
     def __init__(self, cache: GatherCache, name: str, stream: RankStream) -> None:
         self.cache, self.name, self.stream = cache, name, stream
-        self.tmp = cache.dir / f"{name}.{os.getpid()}-{next(_SEQ)}.tmp"
+        self.tmp = cache.dir / f"{name}.tmp"  # one writer per shard at a time, in any worker
         self.fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         self._pieces: list[tuple[int, int, int]] | None = None  # (start in the body, length, offset in the copy)
         self._next = self.written = self.total = 0

@@ -165,3 +165,19 @@ def test_nothing_to_copy_and_a_damaged_copy(root: Path, written: Any) -> None:
         assert http.get(_url(srv, 1), params={"tp": TP}).content == want
         assert copy.stat().st_size == size  # rewritten
         assert "Traceback" not in srv.log()
+
+
+def test_concurrent_whole_pulls_write_one_copy(root: Path, written: Any) -> None:
+    """A storm of whole pulls of one shard after its marker: every body is right, and one copy (of the
+    right size) is written, not one per pull."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    want = (written(BIG, TP) / rank_file_name(1, TP)).read_bytes()
+    with live_server(root, workers=2, chunk_size=256 << 10) as srv:
+        url = _url(srv, 1)
+        assert httpx.get(url, params={"tp": TP}, timeout=60).content == want  # the marker
+        with ThreadPoolExecutor(8) as pool:
+            bodies = list(pool.map(lambda _: httpx.get(url, params={"tp": TP}, timeout=60).content, range(8)))
+        assert all(b == want for b in bodies)
+        assert metric(srv, 'reshard_gathered_copies_total{event="written"}') == 1
+        assert [n for n in copies(root) if n.endswith((".bin", ".tmp"))] == [next(n for n in copies(root) if n.endswith(".bin"))]
