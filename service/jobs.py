@@ -139,8 +139,8 @@ class JobManager:
 
     def stop(self) -> None:
         """Refuse to start queued jobs and interrupt the running one at its next chunk. Only sets an
-        event, so a signal handler may call it: the server's SIGTERM does, before uvicorn drains its
-        connections (which can take as long as the slowest download)."""
+        event: the server's SIGTERM handler calls it (once, `stop_on_signals`), before uvicorn drains
+        its connections (which can take as long as the slowest download)."""
         self._stopping.set()
 
     def shutdown(self) -> None:

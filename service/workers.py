@@ -90,9 +90,15 @@ def stop_on_signals(stop: Callable[[], None]) -> Callable[[], None]:
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    stopped = False
 
     def handler(sig: int, frame: Any) -> None:
-        stop()
+        # once: a signal landing inside `stop` (Python runs handlers between any two bytecodes) would
+        # otherwise call it again while it holds its event's lock, and wait on that lock forever
+        nonlocal stopped
+        if not stopped:
+            stopped = True
+            stop()
         prev = previous[sig]
         if callable(prev):
             prev(sig, frame)

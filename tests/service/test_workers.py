@@ -9,6 +9,8 @@ import hashlib
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -17,7 +19,7 @@ from typing import Any
 
 import httpx
 import pytest
-from _live import BIG, LiveServer, live_server, process_tree
+from _live import BIG, REPO, LiveServer, live_server, process_tree
 
 from reshard.plan import rank_file_name
 from reshard.writer import TMP_PREFIX
@@ -143,3 +145,33 @@ def test_jobs_of_killed_workers_are_failed_by_their_replacements(srv2: LiveServe
         assert time.monotonic() < deadline
         time.sleep(0.2)
     assert _fresh(f"{srv2.url}/v1/jobs/{again['id']}").json()["state"] == "done"
+
+
+def test_signal_storm_never_deadlocks_the_stop() -> None:
+    """SIGTERM after SIGTERM (a supervisor forwarding, an operator's kill, a container runtime): the
+    handler's `stop` runs once, so a signal that lands inside it cannot wait on a lock it holds (it did:
+    a worker hung in `Event.set` nested six deep)."""
+    script = r'''
+import os, signal, sys, threading, time
+from service.workers import stop_on_signals
+signal.signal(signal.SIGTERM, lambda *a: None)  # the "previous" handler: uvicorn's sets a flag
+stopping = threading.Event()
+calls = []
+def stop():
+    calls.append(1)
+    for _ in range(2000):  # long enough that later signals land inside it
+        stopping.set()
+stop_on_signals(stop)
+def storm():
+    for _ in range(3000):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0)  # let the main thread run its handler between signals
+t = threading.Thread(target=storm)
+t.start()
+while t.is_alive():
+    time.sleep(0.0001)
+print(len(calls))
+'''
+    out = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "1"
