@@ -49,8 +49,10 @@ KINDS = {"col": "column", "row": "row", "default": None}
 
 
 def prepare(src: Path, work: Path, variants: list[str]) -> tuple[Path, Path]:
-    """A serve root with checkpoints `variants` (hard links to `src` + a rules file), and their tp=4 files."""
+    """A serve root with checkpoints `variants` (hard links to `src` + a rules file) and no copies of
+    gathered pieces from an earlier run, and their tp=4 files."""
     root, files = work / "serve-root", work / "serve-files"
+    shutil.rmtree(root / ".reshard" / "gathered", ignore_errors=True)
     for variant in variants:
         kind = KINDS[variant]
         d = root / variant
@@ -97,7 +99,6 @@ def serve_servers(root: Path, files: Path, work: Path) -> Iterator[dict[str, Any
     ports = {k: free_port() for k in ("reshard", "gathering", "nginx", "fileresponse")}
     logs = work / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    shutil.rmtree(root / ".reshard" / "gathered", ignore_errors=True)  # copies of an earlier run
     with server(reshard_serve_argv(root, ports["reshard"], workers=WORKERS),
                 f"http://127.0.0.1:{ports['reshard']}/healthz", log=logs / "reshard-serve.log") as rs, \
             server(reshard_serve_argv(root, ports["gathering"], workers=WORKERS),

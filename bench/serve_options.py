@@ -17,7 +17,6 @@ import contextlib
 import importlib.util
 import json
 import os
-import shutil
 import sys
 from pathlib import Path
 
@@ -47,7 +46,6 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     work = args.data / "work-options"
     root, files = prepare(data.checkpoint("1gb", root=args.data), work, ["col", "row"])
-    shutil.rmtree(root / ".reshard" / "gathered", ignore_errors=True)  # copies of an earlier run
     logs = work / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     names = ["nginx", *OPTIONS] + (["granian (the same app)"] if importlib.util.find_spec("granian") else [])

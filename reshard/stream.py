@@ -102,7 +102,7 @@ class RankStream:
         i = bisect.bisect_right(self._starts, start) - 1
         while pos < end:
             piece, base = self._pieces[i], self._starts[i]
-            hi = min(base + (len(piece) if isinstance(piece, bytes) else piece.nbytes), end)
+            hi = min(base + _nbytes(piece), end)
             fd, at = (self._readers[piece.file].fd, piece.offset) if self._direct(piece) else self._copies.get(i, (None, 0))
             i += 1
             if fd is not None and hi - pos >= direct_min:
@@ -139,8 +139,7 @@ class RankStream:
         """The length of piece `i` (IndexError past the last)."""
         if not 0 <= i < len(self._starts):
             raise IndexError(i)
-        piece = self._pieces[i]
-        return len(piece) if isinstance(piece, bytes) else piece.nbytes
+        return _nbytes(self._pieces[i])
 
     def use_copies(self, copies: dict[int, tuple[int, int]]) -> None:
         """Read pieces (by index) from (fd, offset) of a file holding their bytes: `runs` yields them as
@@ -155,7 +154,7 @@ class RankStream:
         done = 0
         while done < len(out):
             piece, base = self._pieces[i], self._starts[i]
-            plen = len(piece) if isinstance(piece, bytes) else piece.nbytes
+            plen = _nbytes(piece)
             lo = pos + done - base
             n = min(plen - lo, len(out) - done)
             dst = out[done : done + n]
@@ -196,6 +195,10 @@ class RankStream:
         if self._scratch is None or len(self._scratch) < n:
             self._scratch = bytearray(max(n, min(SCRATCH, 1 << 20)))
         return memoryview(self._scratch)[:n]
+
+
+def _nbytes(piece: bytes | Segment | Interleave) -> int:
+    return len(piece) if isinstance(piece, bytes) else piece.nbytes
 
 
 def _files(piece: Segment | Interleave) -> list[str | None]:

@@ -106,13 +106,14 @@ def _copy_range(src: int, dst: int, n: int, src_off: int, dst_off: int) -> None:
         except OSError as e:
             if e.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
                 raise
-            k = _pwrite_all(dst, os.pread(src, min(n, CHUNK), src_off), dst_off)
+            k = pwrite_all(dst, os.pread(src, min(n, CHUNK), src_off), dst_off)
         if k == 0:
             raise SourceChangedError(f"source ended before offset {src_off + n}; re-plan")
         n, src_off, dst_off = n - k, src_off + k, dst_off + k
 
 
-def _pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> int:
+def pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> int:
+    """Write all of `data` at `offset` of `fd` (pwrite may write less); the bytes written."""
     view, done = memoryview(data), 0
     while done < len(view):
         done += os.pwrite(fd, view[done:], offset + done)
@@ -128,7 +129,7 @@ def _write_data(stream: RankStream, fd: int, on_bytes: Callable[[int], None]) ->
             _copy_range(src[0], fd, n, src[1], pos)
         else:
             stream.read_into(pos, buf[:n])
-            _pwrite_all(fd, buf[:n], pos)
+            pwrite_all(fd, buf[:n], pos)
         on_bytes(n)
     stream.check_unchanged()
 

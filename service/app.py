@@ -80,8 +80,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.digests = digests
     app.state.jobs = job_manager
     app.state.metrics = service_metrics
-    gather_dir = settings.gather_dir.expanduser() if settings.gather_dir is not None else settings.state_dir / "gathered"
-    gathered = GatherCache.create(gather_dir, settings.gather_cache, DIRECT_MIN) if settings.zero_copy else None
+    gathered = GatherCache.create(settings.gathered_dir, settings.gather_cache, DIRECT_MIN) if settings.zero_copy else None
     app.state.stream_context = StreamContext(service_metrics, settings.chunk_size, settings.io_threads,
                                               settings.send_timeout, gathered)
     install_error_handlers(app)

@@ -38,10 +38,10 @@ import struct
 import threading
 import time
 from array import array
-from collections.abc import Iterator
 from pathlib import Path
 
 from reshard.stream import RankStream
+from reshard.writer import pwrite_all
 
 log = logging.getLogger("reshard.service")
 
@@ -162,11 +162,12 @@ class Copier:
         self.cache, self.name, self.stream = cache, name, stream
         self.tmp = cache.dir / f"{name}.tmp"  # one writer per shard at a time, in any worker
         self.fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        self._pieces: list[tuple[int, int, int]] | None = None  # (start in the body, length, offset in the copy)
+        # per piece: (its number, start in the body, length, offset in the copy)
+        self._pieces: list[tuple[int, int, int, int]] | None = None
         self._next = self.written = self.total = 0
         self.published = False
 
-    def _plan(self) -> list[tuple[int, int, int]]:
+    def _plan(self) -> list[tuple[int, int, int, int]]:
         layout = self.stream.gathered(self.cache.min_piece)
         self.total = sum(n for _, _, n in layout)
         if not layout or LEAD + self.total + 16 * len(layout) + 8 > self.cache.max_bytes:
@@ -174,8 +175,8 @@ class Copier:
                 (self.cache.dir / f"{self.name}.none").touch()
             self.close()
             return []
-        self._index = array("q", [x for (i, _, _), at in zip(layout, _offsets(layout)) for x in (i, at)])
-        return [(start, n, at) for (_, start, n), at in zip(layout, _offsets(layout))]
+        offsets = itertools.accumulate((n for _, _, n in layout), initial=LEAD)  # in order, from LEAD on
+        return [(i, start, n, at) for (i, start, n), at in zip(layout, offsets)]
 
     def feed(self, pos: int, buf: memoryview) -> None:
         """Bytes [pos, pos + len(buf)) of the body (read runs come in order; the pieces are all in them)."""
@@ -186,20 +187,18 @@ class Copier:
         end = pos + len(buf)
         try:
             while self._next < len(self._pieces):
-                start, n, at = self._pieces[self._next]
+                _, start, n, at = self._pieces[self._next]
                 if start >= end:
                     break
                 lo, hi = max(start, pos), min(start + n, end)
-                while lo < hi:
-                    k = os.pwrite(self.fd, buf[lo - pos : hi - pos], at + lo - start)
-                    self.written += k
-                    lo += k
+                if lo < hi:
+                    self.written += pwrite_all(self.fd, buf[lo - pos : hi - pos], at + lo - start)
                 if start + n > end:
                     break
                 self._next += 1
             if self._pieces and self.written == self.total:
-                tail = self._index.tobytes() + struct.pack("<q", len(self._index) // 2)
-                os.pwrite(self.fd, tail, LEAD + self.total)
+                index = array("q", [x for i, _, _, at in self._pieces for x in (i, at)])
+                pwrite_all(self.fd, index.tobytes() + struct.pack("<q", len(self._pieces)), LEAD + self.total)
                 fd, self.fd = self.fd, -1
                 os.close(fd)
                 os.rename(self.tmp, self.cache.dir / f"{self.name}.bin")
@@ -217,11 +216,6 @@ class Copier:
         if not self.published:
             with contextlib.suppress(OSError):
                 os.unlink(self.tmp)
-
-
-def _offsets(layout: list[tuple[int, int, int]]) -> Iterator[int]:
-    """Where each piece goes in the copy: in order, from `LEAD` on."""
-    return itertools.accumulate((n for _, _, n in layout), initial=LEAD)
 
 
 def _read_index(fd: int, stream: RankStream) -> dict[int, int]:

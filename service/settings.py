@@ -90,5 +90,10 @@ class Settings(BaseSettings):
         return (self.out.expanduser().resolve() if self.out is not None else self.state_dir / "out")
 
     @property
+    def gathered_dir(self) -> Path:
+        """Where copies of gathered pieces go (`service.gathered`)."""
+        return self.gather_dir.expanduser() if self.gather_dir is not None else self.state_dir / "gathered"
+
+    @property
     def jobs_dir(self) -> Path:
         return self.state.expanduser().resolve() if self.state is not None else self.out_dir / STATE_DIR
