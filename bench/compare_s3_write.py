@@ -32,7 +32,7 @@ def download_then_write(url: str, work: Path, out: Path) -> None:
     import obstore
 
     from reshard.cli import main
-    from reshard.sources.remote import store_for
+    from reshard.io.stores import store_for
 
     store, prefix = store_for(url.rstrip("/") + "/")
     local = work / "download"
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     import boto3
 
     from bench.stores import s3_server
-    from reshard.synth import llama_config, make_checkpoint
+    from reshard.testing.synth import llama_config, make_checkpoint
 
     work = Path(tempfile.mkdtemp(prefix="bench-s3-"))
     src = make_checkpoint(work / "ckpt", llama_config(hidden_size=512, intermediate_size=1024, vocab_size=4000,

@@ -1,7 +1,7 @@
 """Comparison 4: trainer start-up at tp=2, shards pulled from `reshard serve` vs read from local files
 (and, with RESHARD_RETIRED_TREE set to a source tree of the retired hand-written model, vs that model).
 
-`torchrun --nproc-per-node 2 -m reshard.train --steps 1` with `RESHARD_T0` set at launch, so the
+`torchrun --nproc-per-node 2 -m reshard.cli.train --steps 1` with `RESHARD_T0` set at launch, so the
 trainer's `time_to_first_step_s` counts from launch (it includes interpreter and torch start-up,
 process-group set-up, filling the parameters and one optimizer step; `load_s` stops once the model
 is filled). Bytes per rank: the trainer's `shard_bytes_per_rank`, cross-checked against the growth of
@@ -46,8 +46,8 @@ def bytes_served(base: str) -> float:
 
 def expected_bytes(src: Path, tp: int) -> dict[str, Any]:
     """From the plan (headers only): each rank's file size and the full checkpoint's tensor bytes."""
-    from reshard.plan import make_plan
-    from reshard.source import open_source
+    from reshard.io.sources import open_source
+    from reshard.plan.planner import make_plan
 
     ckpt, manifest = open_source(src)
     plan = make_plan(ckpt, manifest, tp)
@@ -67,7 +67,7 @@ def train_case(name: str, shards: str, work: Path, base_url: str | None, *, pyth
             metrics.unlink()
         before = bytes_served(base_url) if base_url else 0.0
         argv = [torchrun(), "--nproc-per-node", str(TP), "--master-addr", "127.0.0.1", "--master-port",
-                str(free_port()), "-m", "reshard.train", "--shards", shards, "--metrics", str(metrics), *TRAIN_ARGS]
+                str(free_port()), "-m", "reshard.cli.train", "--shards", shards, "--metrics", str(metrics), *TRAIN_ARGS]
         env = {"RESHARD_T0": repr(time.time()), "OMP_NUM_THREADS": "1", **({"PYTHONPATH": pythonpath} if pythonpath else {})}
         res = run_command(case.name, argv, env=env, watch=case.watch() if case.watch else None, timeout=900)
         m = json.loads(metrics.read_text())
@@ -84,7 +84,7 @@ def train_case(name: str, shards: str, work: Path, base_url: str | None, *, pyth
                 "shard_bytes_per_rank": m["shard_bytes_per_rank"], "bytes_served_by_service": d["served"]}
 
     model = f", retired hand-written model from {pythonpath}" if pythonpath else ", transformers' own model"
-    return Case(name, [torchrun(), "-m", "reshard.train", "--shards", shards, *TRAIN_ARGS], runner=runner, extra=extra,
+    return Case(name, [torchrun(), "-m", "reshard.cli.train", "--shards", shards, *TRAIN_ARGS], runner=runner, extra=extra,
                 note=f"torchrun --nproc-per-node {TP}, shards from {'the service' if base_url else 'local files'}{model}")
 
 

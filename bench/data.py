@@ -39,7 +39,7 @@ def checkpoint(size: str, *, root: Path = DATA) -> Path:
     """Path of the `size` checkpoint under `root`, generating it first if missing or stale."""
     import torch
 
-    from reshard.synth import llama_config, make_checkpoint
+    from reshard.testing.synth import llama_config, make_checkpoint
 
     path = root / f"llama-{size}"
     want = spec(size)

@@ -1,7 +1,7 @@
 """`python -m bench.gather [--reps 7]`: gathering strided runs (a row-split tensor's slice), two ways.
 
 For runs of 2 bytes to 16 KiB, `stride` = 4 runs apart (tp=4) over 64 MiB of source, the copy
-`reshard.reads.runs_array` makes (one numpy element per run: numpy copies each whole) against the
+`reshard.plan.reads.runs_array` makes (one numpy element per run: numpy copies each whole) against the
 (count, run) uint8 view it replaced, interleaved, best of `--reps`. Prints GB/s of each and the ratio.
 """
 
@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 
-from reshard.reads import runs_array
+from reshard.plan.reads import runs_array
 
 RUNS = (2, 6, 16, 64, 256, 1024, 2816, 4096, 16384)
 

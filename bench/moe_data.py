@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from reshard.format import INDEX_NAME, encode_header
+from reshard.format.checkpoint import INDEX_NAME, encode_header
 
 EXPERTS = 64
 RULES = {"rules": [

@@ -23,7 +23,7 @@ from typing import Any
 
 from bench.compare_write import reshard_bin
 from bench.measure import median
-from reshard.writer import file_sha256
+from reshard.io.writer import file_sha256
 
 
 def _copy_all(files: list[Path], out: Path) -> list[Path]:
@@ -54,9 +54,9 @@ def _fsync_all(files: list[Path]) -> None:
 
 
 def one_round(src: Path, tp: int, out: Path) -> dict[str, float]:
-    from reshard.plan import make_plan
-    from reshard.source import open_source
-    from reshard.writer import write_shards
+    from reshard.io.sources import open_source
+    from reshard.io.writer import write_shards
+    from reshard.plan.planner import make_plan
 
     files = sorted(src.glob("*.safetensors"))
     t: dict[str, float] = {}

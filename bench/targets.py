@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from bench.measure import median
-from service.settings import Settings
+from reshard.service.settings import Settings
 
 
 def find(results: dict[str, Any], title: str) -> dict[str, Any] | None:

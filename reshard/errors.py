@@ -1,6 +1,6 @@
 """One small exception hierarchy. Every error names the file, the tensor, the numbers and the fix.
 
-The service maps these classes to HTTP status codes in one place (`service/errors.py`) through
+The service maps these classes to HTTP status codes in one place (`reshard/service/errors.py`) through
 `http_status`; the CLI prints `str(error)` as one line and exits non-zero.
 """
 
@@ -64,7 +64,7 @@ class NotFoundError(ReshardError):
 class OutputError(ReshardError):
     """Writing an output failed because of where it goes: its file system or its path (not the input).
 
-    One subclass per cause (see `reshard.outfs.output_error`, which turns an `OSError` into one). The
+    One subclass per cause (see `reshard.io.outfs.output_error`, which turns an `OSError` into one). The
     HTTP status is what the service answers when it is the one writing (uploads, jobs).
     """
 

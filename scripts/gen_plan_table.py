@@ -1,10 +1,10 @@
-"""Regenerate reshard/plans/table.json from the installed transformers (rerun when transformers adds models).
+"""Regenerate reshard/rules/tp_plans/table.json from the installed transformers (rerun when transformers adds models).
 
-    .venv/bin/python scripts/gen_plan_table.py            # writes reshard/plans/table.json
+    .venv/bin/python scripts/gen_plan_table.py            # writes reshard/rules/tp_plans/table.json
     .venv/bin/python scripts/gen_plan_table.py --check    # exit 1 if the table differs from transformers
 
 The table holds, for every model_type whose config class declares a `base_model_tp_plan`, exactly what
-`reshard.plans.live.live_entry` reads at run time, and the transformers version it came from, so a
+`reshard.rules.tp_plans.live.live_entry` reads at run time, and the transformers version it came from, so a
 machine without transformers plans the same way.
 """
 
@@ -16,8 +16,8 @@ import sys
 
 from _generated import write_or_check
 
-from reshard.plans.entry import TABLE_PATH
-from reshard.plans.live import live_entry, plan_model_types, transformers_version
+from reshard.rules.tp_plans.entry import TABLE_PATH
+from reshard.rules.tp_plans.live import live_entry, plan_model_types, transformers_version
 
 
 def build() -> dict:

@@ -1,4 +1,4 @@
-"""reshard.synth: HF names and shapes, file layout, determinism, loadability."""
+"""reshard.testing.synth: HF names and shapes, file layout, determinism, loadability."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from reshard.errors import CheckpointError
-from reshard.synth import llama_config, make_checkpoint, split_into_files, state_dict_shapes
+from reshard.testing.synth import llama_config, make_checkpoint, split_into_files, state_dict_shapes
 
 MODEL_TYPES = ["llama", "mistral", "qwen2", "qwen3", "gemma", "phi3"]
 

@@ -24,16 +24,15 @@ import torch
 from torch import nn
 
 from reshard.errors import CheckpointError
-from reshard.format import CONFIG_NAME
+from reshard.format.checkpoint import CONFIG_NAME
+from reshard.io.client import ShardClient
+from reshard.io.stores import is_url
 from reshard.tp.comm import tp_world_size
-from reshard.trainer.build import is_url
 
 
 def source_config(source: str | Path, *, token: str | None = None) -> dict[str, Any]:
     """config.json of a checkpoint or shard directory, of a rank file's directory, or from the service."""
     if is_url(source):
-        from reshard.client import ShardClient
-
         with ShardClient(str(source), token=token) as client:
             config = client.info().get("config")
     else:
@@ -68,11 +67,38 @@ def empty_tp_model(
         distributed, _, mesh = cls.prepare_distribute_model(DistributedConfig(tp_size=tp))
         model = cls.maybe_distribute_model(model, distributed, mesh)
     model.to_empty(device=device)
-    for t in model.state_dict(keep_vars=True).values():
-        t._is_hf_initialized = True
-    model.initialize_weights()  # only the non-persistent buffers are left to initialize
+    init_buffers(model)  # only the non-persistent buffers are left to initialize
     model.tie_weights()
     return model.eval()
 
 
-__all__ = ["empty_tp_model", "source_config"]
+def hf_config(config: dict[str, Any]) -> Any:
+    """The transformers config object for a config.json dict (`model_type` picks the class)."""
+    from transformers import CONFIG_MAPPING
+
+    model_type = config.get("model_type")
+    if model_type not in CONFIG_MAPPING:
+        raise CheckpointError(
+            f"config.json: model_type {model_type!r} is not a transformers architecture "
+            f"(transformers knows {len(CONFIG_MAPPING)} model types, e.g. llama, qwen3, mixtral)"
+        )
+    return CONFIG_MAPPING[model_type].from_dict(dict(config))
+
+
+def init_buffers(model: nn.Module) -> None:
+    """Recompute what the fill did not write (non-persistent buffers), the way `from_pretrained` does.
+
+    Every parameter and persistent buffer was filled from the shard and is flagged so that
+    transformers' guarded init functions leave it alone; modules of ours with buffers of their own
+    recompute them in `reset_buffers()`.
+    """
+    for t in model.state_dict(keep_vars=True).values():  # every parameter and persistent buffer
+        t._is_hf_initialized = True
+    model.initialize_weights()
+    for module in model.modules():
+        reset = getattr(module, "reset_buffers", None)
+        if callable(reset):
+            reset()
+
+
+__all__ = ["empty_tp_model", "hf_config", "init_buffers", "source_config"]

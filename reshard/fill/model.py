@@ -8,12 +8,12 @@
 The source's rank and tp come from `group` (default: the DTensors' 1-D mesh, else the world). Before
 any byte is copied, every shard tensor is matched to a parameter or persistent buffer by name (through
 transformers' checkpoint renamings, and for per-expert MoE tensors to a view into the fused expert
-parameter, see `reshard.experts`), its local
+parameter, see `reshard.fill.experts`), its local
 shape is compared, and for a DTensor the global indices it holds (as DTensor chunks it: `Shard(d)`,
 `_StridedShard`, uneven last ranks) are compared with the selection the shard's self-description
 records. Any disagreement is one `PlanError` naming each parameter, both shapes and both layouts,
 with missing and unexpected names listed; nothing is filled then. The bytes then go straight into the
-parameters (`reshard.trainer.fill.fill_parameters`), cast where the dtypes differ, sha256 checked.
+parameters (`reshard.fill.stream.fill_parameters`), cast where the dtypes differ, sha256 checked.
 """
 
 from __future__ import annotations
@@ -29,11 +29,11 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from reshard.errors import CheckpointError, PlanError
-from reshard.experts import Held, expert_views, partly_covered, shard_layout, uncovered
-from reshard.tensors import TORCH_DTYPES
+from reshard.fill.experts import Held, expert_views, partly_covered, shard_layout, uncovered
+from reshard.fill.open import open_rank_stream
+from reshard.fill.stream import RankHeader, fill_parameters, read_header_from
+from reshard.format.tensors import TORCH_DTYPES
 from reshard.tp.comm import tp_rank, tp_world_size
-from reshard.trainer.build import open_rank_stream
-from reshard.trainer.fill import RankHeader, fill_parameters, read_header_from
 
 _LIST = 6  # names shown per list in an error
 
@@ -88,7 +88,7 @@ def match_targets(model: nn.Module, header: RankHeader) -> tuple[dict[str, torch
     """Shard tensor name -> the tensor its bytes go into (a DTensor's local tensor, or a view into a
     fused expert parameter), after every check; raises one `PlanError` listing every disagreement."""
     state = model.state_dict(keep_vars=True)  # parameters and persistent buffers, tied aliases included
-    layout = shard_layout(model, list(header.entries))  # shard (checkpoint) name -> the model's name or Piece
+    layout = shard_layout(model, list(header.entries))  # shard (checkpoint) name -> the model's name or ExpertPiece
     shapes = {n: tuple(e["shape"]) for n, e in header.entries.items()}
     described = {n: header.tensors.get(n, {}) for n in shapes}
     targets: dict[str, torch.Tensor] = {}

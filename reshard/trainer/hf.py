@@ -1,6 +1,7 @@
-"""The checkpoint's own transformers model: built on the meta device, its buffers recomputed after the fill.
+"""The checkpoint's own transformers model, built on the meta device (its buffers are recomputed after
+the fill by `reshard.fill.hf.init_buffers`).
 
-    config = hf_config(json.loads(Path("config.json").read_text()))
+    config = hf_config(json.loads(Path("config.json").read_text()))   # reshard.fill.hf
     model = meta_model(config, dtype=torch.float32)     # no parameter memory, no random init
     ...                                                 # parallelize, to_empty, fill
     init_buffers(model)                                 # rotary inv_freq & co, as from_pretrained does
@@ -18,19 +19,6 @@ import torch
 from torch import nn
 
 from reshard.errors import CheckpointError
-
-
-def hf_config(config: dict[str, Any]) -> Any:
-    """The transformers config object for a config.json dict (`model_type` picks the class)."""
-    from transformers import CONFIG_MAPPING
-
-    model_type = config.get("model_type")
-    if model_type not in CONFIG_MAPPING:
-        raise CheckpointError(
-            f"config.json: model_type {model_type!r} is not a transformers architecture "
-            f"(transformers knows {len(CONFIG_MAPPING)} model types, e.g. llama, qwen3, mixtral)"
-        )
-    return CONFIG_MAPPING[model_type].from_dict(dict(config))
 
 
 def meta_model(config: Any, *, dtype: torch.dtype, attn_implementation: str | None = None) -> nn.Module:
@@ -66,20 +54,4 @@ def retie(model: nn.Module, tied: tuple[str, str] | None) -> None:
         model.get_submodule(tied[0]).weight = model.get_submodule(tied[1]).weight
 
 
-def init_buffers(model: nn.Module) -> None:
-    """Recompute what the fill did not write (non-persistent buffers), the way `from_pretrained` does.
-
-    Every parameter and persistent buffer was filled from the shard and is flagged so that
-    transformers' guarded init functions leave it alone; modules of ours with buffers of their own
-    recompute them in `reset_buffers()`.
-    """
-    for t in model.state_dict(keep_vars=True).values():  # every parameter and persistent buffer
-        t._is_hf_initialized = True
-    model.initialize_weights()
-    for module in model.modules():
-        reset = getattr(module, "reset_buffers", None)
-        if callable(reset):
-            reset()
-
-
-__all__ = ["hf_config", "init_buffers", "meta_model", "retie", "tied_pair"]
+__all__ = ["meta_model", "retie", "tied_pair"]

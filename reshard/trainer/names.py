@@ -1,8 +1,8 @@
 """Shard tensor names (the names on disk) -> the trainer model's tensors they fill and are saved from.
 
 The model is transformers' own, so its conversion mapping says where each name on disk goes
-(`reshard.experts.shard_layout`): renamed keys to the tensor of that name, per-expert MoE tensors to
-views of the fused expert parameters (`reshard.experts.expert_views`). The trainer's tensors are plain
+(`reshard.fill.experts.shard_layout`): renamed keys to the tensor of that name, per-expert MoE tensors to
+views of the fused expert parameters (`reshard.fill.experts.expert_views`). The trainer's tensors are plain
 (a fused parameter is this rank's local shape), so the views are contiguous blocks the fill writes
 shard bytes straight into, and `save_rank_shard` reads them back under the names on disk.
 """
@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 from reshard.errors import PlanError
-from reshard.experts import expert_views, partly_covered, shard_layout, uncovered
-from reshard.loaders import selection_shape
+from reshard.fill.experts import expert_views, partly_covered, shard_layout, uncovered
+from reshard.format.selection import selection_shape
 
 Spec = dict[str, Any]
 

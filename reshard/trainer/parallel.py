@@ -16,12 +16,13 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from reshard.experts import shard_layout
-from reshard.loaders import layer_factory, register_layer, selection_shape
+from reshard.fill.experts import shard_layout
+from reshard.format.selection import selection_shape
+from reshard.rules.kinds import layer_factory, register_layer
 from reshard.tp import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, copy_to_tp_region
 from reshard.tp.comm import tp_rank, tp_world_size
 from reshard.trainer.adjust import adjust
-from reshard.trainer.experts import parallelize_experts
+from reshard.trainer.parallel_experts import parallelize_experts
 
 Spec = dict[str, Any]
 

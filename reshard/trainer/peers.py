@@ -5,7 +5,7 @@ would otherwise leave its peers waiting in their next collective (the all-gather
 `new_group` while building) until the process group's timeout, 30 minutes by default. Wrap each
 rank's whole run in `stop_peers_on_failure()`:
 
-    with stop_peers_on_failure(prog="reshard.train"):
+    with stop_peers_on_failure(prog="reshard.cli.train"):
         train(args)                         # may call init_process_group itself
 
 - A rank whose run raises posts "rank R: <error>" in the default process group's store, waits up to

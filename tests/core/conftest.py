@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from reshard import loaders
+from reshard.rules import kinds as loaders
 
 
 @pytest.fixture(autouse=True)

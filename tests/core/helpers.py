@@ -1,6 +1,6 @@
 """Small helpers for the core tests: hand-built safetensors files, torch references, CLI runs.
 
-Everything here is independent of `reshard.format`/`reshard.plan`: files are built byte by byte or
+Everything here is independent of `reshard.format.checkpoint`/`reshard.plan.types`: files are built byte by byte or
 with `safetensors.torch.save_file`, and expected shards are computed with plain torch ops.
 """
 

@@ -25,18 +25,12 @@ def plan_digest(ranks: Any) -> str:
 
 
 def reference_plan(ckpt: Any, manifest: Any, tp: int) -> list[Any]:
-    """Every rank planned tensor by tensor, as `reshard.plan.plan_rank` did before the grouped planner:
+    """Every rank planned tensor by tensor, as `reshard.plan.planner.plan_rank` did before the grouped planner:
     each tensor's own selection, `segments_for` and description, then `layout` (sort + `encode_header`)."""
-    from reshard.loaders import selection_shape
-    from reshard.plan import (
-        OutTensor,
-        layout,
-        rank_metadata,
-        resolve_rules,
-        segments_for,
-        source_files,
-        tensor_selection,
-    )
+    from reshard.format.selection import selection_shape
+    from reshard.plan.planner import resolve_rules
+    from reshard.plan.segments import layout, segments_for, tensor_selection
+    from reshard.plan.types import OutTensor, rank_metadata, source_files
 
     tensors, files = ckpt.global_tensors(), source_files(ckpt)
     rules, _ = resolve_rules(list(tensors), manifest)

@@ -20,7 +20,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from reshard.commands import parse_ranks
+from reshard.cli.commands import parse_ranks
 from reshard.errors import (
     CheckpointError,
     HeaderError,
@@ -29,11 +29,12 @@ from reshard.errors import (
     RegistryError,
     ReshardError,
 )
-from reshard.format import MAX_HEADER_BYTES, Checkpoint, parse_header, read_header
-from reshard.manifest import Manifest
-from reshard.plan import check_tp, make_plan
-from reshard.source import open_source
-from reshard.synth import llama_config, make_checkpoint
+from reshard.format.checkpoint import MAX_HEADER_BYTES, Checkpoint, parse_header, read_header
+from reshard.io.sources import open_source
+from reshard.plan.planner import make_plan
+from reshard.plan.types import check_tp
+from reshard.rules.manifest import Manifest
+from reshard.testing.synth import llama_config, make_checkpoint
 
 from .helpers import (
     assert_one_error_line,

@@ -1,4 +1,4 @@
-"""Fuzz `reshard.format.parse_header`: any bytes are parsed or refused with ReshardError, nothing else.
+"""Fuzz `reshard.format.checkpoint.parse_header`: any bytes are parsed or refused with ReshardError, nothing else.
 
 And whatever reshard accepts, the safetensors library reads too, with the same names, dtypes and
 shapes (reshard may be stricter, never looser).
@@ -17,9 +17,9 @@ from hypothesis import strategies as st
 from safetensors import safe_open
 
 from bench.moe_data import moe_checkpoint
-from reshard import headers
 from reshard.errors import ReshardError
-from reshard.format import DTYPE_SIZES, parse_header, read_header
+from reshard.format import headers
+from reshard.format.checkpoint import DTYPE_SIZES, parse_header, read_header
 
 from .helpers import raw_safetensors
 

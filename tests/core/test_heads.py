@@ -14,10 +14,11 @@ import torch
 from safetensors.torch import load_file
 
 from reshard.errors import PlanError
-from reshard.format import Checkpoint
-from reshard.manifest import Manifest
-from reshard.plan import make_plan, rank_file_name
-from reshard.writer import write_shards
+from reshard.format.checkpoint import Checkpoint
+from reshard.io.writer import write_shards
+from reshard.plan.planner import make_plan
+from reshard.plan.types import rank_file_name
+from reshard.rules.manifest import Manifest
 
 from .helpers import assert_same, bits, head_chunk, packed_chunk, random_tensor, save_checkpoint
 

@@ -15,9 +15,9 @@ import torch
 from safetensors.torch import load_file
 from transformers import __version__ as TRANSFORMERS
 
-from reshard.format import Checkpoint
-from reshard.plan import rank_file_name
-from reshard.synth import llama_config, make_checkpoint
+from reshard.format.checkpoint import Checkpoint
+from reshard.plan.types import rank_file_name
+from reshard.testing.synth import llama_config, make_checkpoint
 
 from .helpers import assert_same, even_chunk, head_chunk, padded_chunk, run_cli, sha256_file
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from reshard.stream import CHUNK
+from reshard.io.stream import CHUNK
 
 REPO = Path(__file__).resolve().parents[2]
 MiB = 1 << 20
@@ -23,9 +23,9 @@ LIMIT = 40 * MiB
 SCRIPT = r"""
 import json, sys
 import torch  # noqa: F401  (its import is part of the baseline, not of the write)
-from reshard.source import open_source
-from reshard.plan import make_plan
-from reshard.writer import write_shards
+from reshard.io.sources import open_source
+from reshard.plan.planner import make_plan
+from reshard.io.writer import write_shards
 
 def status(key):
     for line in open("/proc/self/status"):

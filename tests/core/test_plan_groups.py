@@ -1,4 +1,4 @@
-"""The grouped planner (`reshard.planner`) plans exactly what planning each tensor on its own does:
+"""The grouped planner (`reshard.plan.planner`) plans exactly what planning each tensor on its own does:
 same headers, same offsets, same source byte runs, so the same shard bytes.
 
 Compared (1) with the tensor-by-tensor reference on the test checkpoints of every kind (column, row
@@ -24,11 +24,11 @@ import torch
 from safetensors.torch import save_file
 
 from bench.moe_data import moe_checkpoint
-from reshard.plan import make_plan
-from reshard.source import open_source
-from reshard.stream import RankStream
-from reshard.synth import llama_config, make_checkpoint
-from reshard.writer import write_shards
+from reshard.io.sources import open_source
+from reshard.io.stream import RankStream
+from reshard.io.writer import write_shards
+from reshard.plan.planner import make_plan
+from reshard.testing.synth import llama_config, make_checkpoint
 
 from .plan_reference import _extent, plan_digest, reference_plan
 

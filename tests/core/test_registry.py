@@ -1,7 +1,7 @@
 """A kind registered from anywhere (here: this test file) drives plan, write and load like a built-in.
 
 The test kind gives rank r the chunk tp-1-r of dim 0 (reversed rank order). It is registered inside a
-fixture and removed from `reshard.loaders._REGISTRY` afterwards, so other tests never see it.
+fixture and removed from `reshard.rules.kinds._REGISTRY` afterwards, so other tests never see it.
 """
 
 from __future__ import annotations
@@ -15,13 +15,15 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from reshard import loaders
 from reshard.errors import RegistryError
-from reshard.format import Checkpoint
-from reshard.loaders import Selection, SliceLoader, known_kinds, loader_for, register_loader, split_interval
-from reshard.manifest import Manifest, Rule
-from reshard.plan import make_plan, rank_file_name
-from reshard.writer import write_shards
+from reshard.format.checkpoint import Checkpoint
+from reshard.format.selection import Selection
+from reshard.io.writer import write_shards
+from reshard.plan.planner import make_plan
+from reshard.plan.types import rank_file_name
+from reshard.rules import kinds as loaders
+from reshard.rules.kinds import SliceLoader, known_kinds, loader_for, register_loader, split_interval
+from reshard.rules.manifest import Manifest, Rule
 
 from .helpers import assert_same, random_tensor, run_cli, save_checkpoint
 

@@ -13,11 +13,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from reshard.merge import merge
-from reshard.plan import Interleave, make_plan
-from reshard.source import open_source
-from reshard.stream import RankStream
-from reshard.writer import write_shards
+from reshard.io.merge import merge
+from reshard.io.sources import open_source
+from reshard.io.stream import RankStream
+from reshard.io.writer import write_shards
+from reshard.plan.planner import make_plan
+from reshard.plan.reads import Interleave
 
 RULES = """rules:
   - {pattern: "*.col.weight", kind: column}

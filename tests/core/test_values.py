@@ -17,11 +17,12 @@ import yaml
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from reshard.format import Checkpoint
-from reshard.loaders import loader_for
-from reshard.manifest import Manifest, Rule
-from reshard.plan import make_plan, rank_file_name
-from reshard.writer import write_shards
+from reshard.format.checkpoint import Checkpoint
+from reshard.io.writer import write_shards
+from reshard.plan.planner import make_plan
+from reshard.plan.types import rank_file_name
+from reshard.rules.kinds import loader_for
+from reshard.rules.manifest import Manifest, Rule
 
 from .helpers import (
     assert_same,

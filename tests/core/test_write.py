@@ -17,13 +17,15 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from reshard.errors import SourceChangedError
-from reshard.format import Checkpoint
-from reshard.manifest import Manifest
-from reshard.plan import make_plan, plan_to_json, rank_file_name
-from reshard.source import open_source
-from reshard.stream import RankStream
-from reshard.synth import llama_config, make_checkpoint
-from reshard.writer import TMP_PREFIX, write_shards
+from reshard.format.checkpoint import Checkpoint
+from reshard.io.outfs import TMP_PREFIX
+from reshard.io.sources import open_source
+from reshard.io.stream import RankStream
+from reshard.io.writer import write_shards
+from reshard.plan.planner import make_plan
+from reshard.plan.types import plan_to_json, rank_file_name
+from reshard.rules.manifest import Manifest
+from reshard.testing.synth import llama_config, make_checkpoint
 
 from .helpers import assert_same, run_cli, sha256_file
 

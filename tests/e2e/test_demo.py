@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from reshard.format import Checkpoint
+from reshard.format.checkpoint import Checkpoint
 
 RESHARD = [sys.executable, "-m", "reshard.cli"]
 

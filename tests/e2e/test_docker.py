@@ -40,7 +40,7 @@ def test_compose_parses_and_names_what_exists() -> None:
 
 def test_compose_commands_work_outside_docker(tmp_path: Path) -> None:
     services = _compose()["services"]
-    # seed: python -m reshard.synth DIR --preset ...  (run with the tiny preset to stay fast)
+    # seed: python -m reshard.testing.synth DIR --preset ...  (run with the tiny preset to stay fast)
     seed = services["seed"]["command"]
     out = tmp_path / "ckpt"
     r = subprocess.run([sys.executable, *seed[1:3], str(out), "--preset", "tiny"], capture_output=True, text=True)

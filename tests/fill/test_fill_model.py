@@ -18,7 +18,7 @@ from safetensors import safe_open
 
 import reshard
 from reshard.errors import PlanError
-from reshard.experts import expert_views, shard_layout
+from reshard.fill.experts import expert_views, shard_layout
 
 transformers = pytest.importorskip("transformers")
 

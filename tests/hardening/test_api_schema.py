@@ -23,7 +23,7 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from service import Settings, create_app
+from reshard.service import Settings, create_app
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -20,8 +20,9 @@ import pytest
 from _hard import live_server, metric, wait_for
 from _live import REPO, LiveServer, make_ckpt
 
-from reshard.plan import rank_file_name
-from reshard.writer import MANIFEST_NAME, TMP_PREFIX
+from reshard.io.outfs import TMP_PREFIX
+from reshard.io.writer import MANIFEST_NAME
+from reshard.plan.types import rank_file_name
 
 pytestmark = pytest.mark.timeout(240)
 

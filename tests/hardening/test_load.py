@@ -18,7 +18,7 @@ import pytest
 from _hard import metric
 from _live import LiveServer
 
-from reshard.plan import rank_file_name
+from reshard.plan.types import rank_file_name
 
 LOAD_SECONDS = float(os.environ.get("RESHARD_LOAD_SECONDS", "60"))
 CLIENTS = 32

@@ -15,7 +15,7 @@ import pytest
 from _hard import live_server, raw_http, tree
 from _live import LiveServer, make_ckpt
 
-from reshard.plan import rank_file_name
+from reshard.plan.types import rank_file_name
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from _fs import KINDS, TP, Mount, MountError, get_mount
 
-from reshard.synth import llama_config, make_checkpoint
+from reshard.testing.synth import llama_config, make_checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "service"))  # _live: a real `reshard serve`
 
@@ -60,10 +60,10 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def reference(ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Uninterrupted outputs on the ordinary disk: `write` (tp=2), `merge` (of those shards)."""
-    from reshard.merge import merge
-    from reshard.plan import make_plan
-    from reshard.source import open_source
-    from reshard.writer import write_shards
+    from reshard.io.merge import merge
+    from reshard.io.sources import open_source
+    from reshard.io.writer import write_shards
+    from reshard.plan.planner import make_plan
 
     root = tmp_path_factory.mktemp("reference")
     src, manifest = open_source(ckpt)

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from reshard import errors
-from reshard.commands import rank_list
-from reshard.outfs import check_space, output_error, output_errors
+from reshard.cli.commands import rank_list
+from reshard.io.outfs import check_space, output_error, output_errors
 
 CASES = [
     (errno.ENOSPC, errors.NoSpaceError, 507, "no space left on device", "free some space or write elsewhere"),
@@ -29,7 +29,7 @@ CASES = [
 
 @pytest.mark.parametrize(("code", "cls", "status", "cause", "fix"), CASES, ids=[errno.errorcode[c[0]] for c in CASES])
 def test_errno_to_typed_error(tmp_path: Path, code: int, cls: type, status: int, cause: str, fix: str) -> None:
-    from service.errors import response_for, status_for
+    from reshard.service.errors import response_for, status_for
 
     target = tmp_path / "out" / "rank-00001-of-00002.safetensors"
     err = output_error(OSError(code, os.strerror(code), str(target)), tmp_path, retry="try again")

@@ -16,7 +16,7 @@ from _fs import KINDS, TP, Mount, get_mount, leftovers, listing, reshard
 from _live import CuttingProxy, LiveServer, live_server
 from test_write_merge import RANK0, RANK1, assert_clean
 
-from reshard.writer import MANIFEST_NAME
+from reshard.io.writer import MANIFEST_NAME
 
 NAME = "ck"
 

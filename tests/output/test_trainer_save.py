@@ -20,7 +20,7 @@ from _fs import KINDS, TP, Mount, get_mount, leftovers, listing
 from test_write_merge import RANK1
 
 from reshard.errors import NoSpaceError, OutputPathError, ReadOnlyError
-from reshard.plan import rank_file_name
+from reshard.plan.types import rank_file_name
 
 REPO = Path(__file__).resolve().parents[2]
 SOLO = rank_file_name(0, 1)
@@ -29,9 +29,9 @@ LIMIT_S = 60
 
 @pytest.fixture(scope="module")
 def tp1(ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from reshard.plan import make_plan
-    from reshard.source import open_source
-    from reshard.writer import write_shards
+    from reshard.io.sources import open_source
+    from reshard.io.writer import write_shards
+    from reshard.plan.planner import make_plan
 
     src, manifest = open_source(ckpt)
     out = tmp_path_factory.mktemp("tp1") / "shards"
@@ -84,7 +84,7 @@ def _launch(shards: Path, saves: list[Path]) -> list[subprocess.Popen[str]]:
         env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(len(saves)),
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "GLOO_SOCKET_IFNAME": "lo",
                "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-        cmd = [sys.executable, "-m", "reshard.train", "--shards", str(shards), "--steps", "0", "--dtype", "keep",
+        cmd = [sys.executable, "-m", "reshard.cli.train", "--shards", str(shards), "--steps", "0", "--dtype", "keep",
                "--threads", "1", "--save", str(save)]
         procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     return procs
@@ -109,7 +109,7 @@ def _failed_cleanly(result: tuple[int, str, float], *needles: str) -> None:
     assert elapsed < LIMIT_S, (elapsed, err)
     assert "Traceback" not in err, err
     last = err.strip().splitlines()[-1]
-    assert last.startswith("reshard.train: error: "), err
+    assert last.startswith("reshard.cli.train: error: "), err
     for needle in needles:
         assert needle in last, (needle, last)
 

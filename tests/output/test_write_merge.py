@@ -13,9 +13,10 @@ import pytest
 from _fs import TP, Mount, leftovers, listing, reshard, same_tree
 
 from reshard.errors import NoSpaceError
-from reshard.plan import make_plan, rank_file_name
-from reshard.source import open_source
-from reshard.writer import PARTIAL_NAME, write_shards
+from reshard.io.sources import open_source
+from reshard.io.writer import PARTIAL_NAME, write_shards
+from reshard.plan.planner import make_plan
+from reshard.plan.types import rank_file_name
 
 RANK0, RANK1 = rank_file_name(0, TP), rank_file_name(1, TP)
 

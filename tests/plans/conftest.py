@@ -20,7 +20,7 @@ from _dist import run_distributed
 from plans._hf_tp import dump_hf_tp
 from plans.archs import ARCHS, Arch
 from reshard import cli
-from reshard.source import open_source
+from reshard.io.sources import open_source
 
 COVERAGE_ENV = "RESHARD_COVERAGE_OUT"  # where the session writes its per-architecture results (JSON)
 

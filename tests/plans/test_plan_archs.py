@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 
 from plans.archs import ARCHS, DENSE, MOES
 from plans.conftest import Built
-from reshard.plan import rank_file_name
+from reshard.plan.types import rank_file_name
 
 
 def _full_checkpoint(ckpt: Path) -> dict[str, torch.Tensor]:

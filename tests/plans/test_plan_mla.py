@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from plans.conftest import Built
 from plans.test_plan_archs import _full_checkpoint, _same
 from reshard import cli
-from reshard.plan import rank_file_name
+from reshard.plan.types import rank_file_name
 
 HEAD_SPLIT = ("q_b_proj", "kv_b_proj")
 

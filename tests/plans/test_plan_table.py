@@ -13,10 +13,10 @@ import transformers
 from core.helpers import assert_one_error_line, run_cli
 
 from reshard.errors import ManifestError
-from reshard.manifest import from_config
-from reshard.plans import SOURCE_ENV, live_entry, load_table, table_entry
-from reshard.plans.live import plan_model_types
-from reshard.synth import llama_config, make_checkpoint
+from reshard.rules.from_config import from_config
+from reshard.rules.tp_plans import SOURCE_ENV, live_entry, load_table, table_entry
+from reshard.rules.tp_plans.live import plan_model_types
+from reshard.testing.synth import llama_config, make_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 SIZES = {"vocab_size": 64, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2,
@@ -112,8 +112,8 @@ def test_unhonourable_style_names_style_key_and_architecture() -> None:
 def test_conversion_ops_reshard_cannot_follow_are_errors() -> None:
     """A sharded parameter built from disk through an op reshard does not model (a transpose) is an error, not
     a split of the wrong dim; the same op on a replicated parameter is fine."""
-    from reshard.plans.entry import PlanEntry
-    from reshard.plans.rules import PlanRules
+    from reshard.rules.tp_plans.derive import PlanRules
+    from reshard.rules.tp_plans.entry import PlanEntry
 
     entry = PlanEntry(model_type="toy", base_plan={"layers.*.mlp.up_proj": "colwise"}, conversion=[
         {"type": "convert", "source": ["mlp.w_up.weight"], "target": ["mlp.up_proj.weight"], "ops": [["Transpose", None]]},

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from plans.archs import ARCHS
 from plans.conftest import Built
 from plans.test_plan_archs import _full_checkpoint
-from reshard.plan import rank_file_name
+from reshard.plan.types import rank_file_name
 
 TP = 4
 

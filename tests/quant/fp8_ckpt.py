@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from reshard.cli import main
-from reshard.synth import llama_config, make_checkpoint
+from reshard.testing.synth import llama_config, make_checkpoint
 
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
 LINEAR = re.compile(r".*\.(q|k|v|o|qkv|gate|up|down|gate_up)_proj\.weight")
@@ -76,7 +76,7 @@ def dequant_ref(q: torch.Tensor, scale: torch.Tensor, block: tuple[int | None, i
 
 def fp8_checkpoint(path: Path, config: dict[str, Any], qc: dict[str, Any], *, seed: int = 0,
                    keep: tuple[str, ...] = ()) -> Path:
-    """A random bf16 checkpoint for `config` (reshard.synth), its linear weights quantized as `qc` says
+    """A random bf16 checkpoint for `config` (reshard.testing.synth), its linear weights quantized as `qc` says
     (but for the weights in `keep`, as `modules_to_not_convert` leaves them)."""
     make_checkpoint(path, config, dtype=torch.bfloat16, seed=seed, std=0.05)
     state = load_file(path / "model.safetensors")

@@ -15,9 +15,9 @@ from fp8_ckpt import BLOCK_QC, ct_qc, dequantized_state, fp8_checkpoint, write
 from safetensors.torch import load_file, save_file
 
 from reshard.errors import PlanError
-from reshard.merge import merge
-from reshard.plan import rank_file_name
-from reshard.synth import llama_config
+from reshard.io.merge import merge
+from reshard.plan.types import rank_file_name
+from reshard.testing.synth import llama_config
 from reshard.trainer import build_model, save_rank_shard
 
 

@@ -15,10 +15,12 @@ from safetensors.torch import load_file
 
 from reshard.cli import main
 from reshard.errors import ManifestError, PlanError
-from reshard.merge import merge
-from reshard.plan import make_plan, rank_file_name, tensor_selection
-from reshard.source import open_source
-from reshard.synth import llama_config
+from reshard.io.merge import merge
+from reshard.io.sources import open_source
+from reshard.plan.planner import make_plan
+from reshard.plan.segments import tensor_selection
+from reshard.plan.types import rank_file_name
+from reshard.testing.synth import llama_config
 
 
 def heads_rows(heads: int, head_dim: int, tp: int, rank: int) -> torch.Tensor:

@@ -34,7 +34,7 @@ from typing import Any
 import httpx
 import torch
 
-from reshard.synth import llama_config, make_checkpoint
+from reshard.testing.synth import llama_config, make_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
 

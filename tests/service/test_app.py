@@ -13,10 +13,11 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from reshard.plan import make_plan, plan_to_json
-from reshard.source import open_source
-from service import Settings, create_app
-from service.streaming import parse_range
+from reshard.io.sources import open_source
+from reshard.plan.planner import make_plan
+from reshard.plan.types import plan_to_json
+from reshard.service import Settings, create_app
+from reshard.service.ranges import parse_range
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -317,7 +318,7 @@ def test_metrics_exposition(client: TestClient) -> None:
 
 def test_settings_env_and_flags(root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from reshard.cli import build_parser
-    from service.cli import _settings
+    from reshard.cli.serve import _settings
 
     monkeypatch.setenv("RESHARD_ROOT", str(root))
     monkeypatch.setenv("RESHARD_TOKEN", "from-env")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from service.buffers import ChunkPool
+from reshard.service.buffers import ChunkPool
 
 
 def _addr(view: memoryview) -> int:

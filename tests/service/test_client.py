@@ -1,4 +1,4 @@
-"""`reshard.client` against the live server: pull, read, resume, broken connections, integrity, CLI."""
+"""`reshard.io.client` against the live server: pull, read, resume, broken connections, integrity, CLI."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 from _live import BIG, LiveServer
 
-from reshard.client import ShardClient
 from reshard.errors import IntegrityError, NotFoundError, PlanError, ReshardError
-from reshard.plan import rank_file_name
+from reshard.io.client import ShardClient
+from reshard.plan.types import rank_file_name
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -1,4 +1,4 @@
-"""Copies of gathered (row-split) pieces, `service.gathered`, against a real two-worker `reshard serve`:
+"""Copies of gathered (row-split) pieces, `reshard.service.gathered`, against a real two-worker `reshard serve`:
 the bytes every pull gets (whole and ranges) are `reshard write`'s, the copy holds exactly the plan's
 gathered pieces, later pulls send them with sendfile, and changes, eviction, disconnects and an
 unusable directory behave."""
@@ -16,10 +16,12 @@ import pytest
 from _live import BIG, LiveServer, live_server, make_ckpt
 from test_live import _raw_request, _sendfile_bytes, metric
 
-from reshard.plan import Interleave, Segment, make_plan, rank_file_name
-from reshard.sources import open_source
-from service.gathered import LEAD
-from service.streaming import DIRECT_MIN
+from reshard.io.sources import open_source
+from reshard.plan.planner import make_plan
+from reshard.plan.reads import Interleave, Segment
+from reshard.plan.types import rank_file_name
+from reshard.service.gathered import LEAD
+from reshard.service.pump import DIRECT_MIN
 
 pytestmark = pytest.mark.timeout(180)
 TP = 2

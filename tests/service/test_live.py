@@ -19,8 +19,8 @@ import httpx
 import pytest
 from _live import BIG, REPO, SMALL_CKPTS, LiveServer, live_server
 
-from reshard.client import ShardClient
-from reshard.plan import rank_file_name
+from reshard.io.client import ShardClient
+from reshard.plan.types import rank_file_name
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -137,9 +137,9 @@ def test_concurrent_pulls_byte_correct_and_memory_bounded(server: LiveServer, wr
 def _sendfile_bytes(ckpt: Path, tp: int, rank: int, lo: int, hi: int) -> int:
     """Bytes of [lo, hi) of the rank file in contiguous ranges of a source file at least DIRECT_MIN
     long (within [lo, hi)): what the server should hand to sendfile, from the plan's segments."""
-    from reshard.plan import make_plan
-    from reshard.sources import open_source
-    from service.streaming import DIRECT_MIN
+    from reshard.io.sources import open_source
+    from reshard.plan.planner import make_plan
+    from reshard.service.pump import DIRECT_MIN
 
     src, manifest = open_source(ckpt)
     rp = make_plan(src, manifest, tp).ranks[rank]
@@ -156,7 +156,7 @@ def _sendfile_bytes(ckpt: Path, tp: int, rank: int, lo: int, hi: int) -> int:
 def test_contiguous_ranges_go_out_by_sendfile(server: LiveServer, ckpt_root: Path, written: Any) -> None:
     """Once a shard's digest is known, its contiguous source ranges are sent by the kernel (whole
     bodies and ranges alike), with the same bytes; `--no-zero-copy` sends none that way."""
-    # new mtimes, so no copy of gathered pieces (service.gathered) from earlier pulls serves this one
+    # new mtimes, so no copy of gathered pieces (reshard.service.gathered) from earlier pulls serves this one
     shutil.copytree(ckpt_root / BIG, ckpt_root / "fresh-sendfile", copy_function=shutil.copyfile)
     want = (written(BIG, 2) / rank_file_name(1, 2)).read_bytes()
     url, params = shard_url(server, "fresh-sendfile", 1), {"tp": 2}

@@ -21,8 +21,8 @@ import httpx
 import pytest
 from _live import BIG, REPO, LiveServer, live_server, process_tree
 
-from reshard.plan import rank_file_name
-from reshard.writer import TMP_PREFIX
+from reshard.io.outfs import TMP_PREFIX
+from reshard.plan.types import rank_file_name
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -153,7 +153,7 @@ def test_signal_storm_never_deadlocks_the_stop() -> None:
     a worker hung in `Event.set` nested six deep)."""
     script = r'''
 import os, signal, sys, threading, time
-from service.workers import stop_on_signals
+from reshard.service.process import stop_on_signals
 signal.signal(signal.SIGTERM, lambda *a: None)  # the "previous" handler: uvicorn's sets a flag
 stopping = threading.Event()
 calls = []

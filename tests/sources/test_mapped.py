@@ -1,4 +1,4 @@
-"""Row-split gathers from leased mappings (`reshard.sources.mapped`): the same bytes as pread, and a
+"""Row-split gathers from leased mappings (`reshard.io.mapped`): the same bytes as pread, and a
 file truncated under them gives back its lease at once, fails the stream and never faults the process.
 
 Each case runs in a fresh interpreter (the SIGIO handler is process-wide, and a fault would kill the
@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from reshard.plan import make_plan
-from reshard.sources import open_source
-from reshard.stream import RankStream
+from reshard.io.sources import open_source
+from reshard.io.stream import RankStream
+from reshard.plan.planner import make_plan
 
 REPO = Path(__file__).resolve().parents[2]
 ROW = {"rules": [{"pattern": "*_proj.weight", "kind": "row"}]}
@@ -40,10 +40,10 @@ def _child(script: str, *args: str, timeout: float = 120) -> dict:
 
 SAME_BYTES = """
 import hashlib, json, sys
-from reshard.plan import make_plan
-from reshard.sources import open_source
-from reshard.sources.mapped import MAPS
-from reshard.stream import RankStream
+from reshard.plan.planner import make_plan
+from reshard.io.sources import open_source
+from reshard.io.mapped import MAPS
+from reshard.io.stream import RankStream
 ckpt, manifest = open_source(sys.argv[1])
 tp = int(sys.argv[2])
 plan = make_plan(ckpt, manifest, tp)
@@ -74,10 +74,10 @@ def test_gathers_from_mappings_equal_pread(row_ckpt: Path, tp: int) -> None:
 TRUNCATE = """
 import json, subprocess, sys, threading, time
 from reshard.errors import SourceChangedError
-from reshard.plan import make_plan
-from reshard.sources import open_source
-from reshard.sources.mapped import MAPS
-from reshard.stream import RankStream
+from reshard.plan.planner import make_plan
+from reshard.io.sources import open_source
+from reshard.io.mapped import MAPS
+from reshard.io.stream import RankStream
 ckpt, manifest = open_source(sys.argv[1])
 plan = make_plan(ckpt, manifest, 2)
 assert MAPS.enable()

@@ -9,10 +9,10 @@ import pytest
 
 from reshard.cli import main
 from reshard.errors import SourceChangedError
-from reshard.plan import make_plan
-from reshard.sources import open_source
-from reshard.sources.directory import SPECULATIVE
-from reshard.stream import RankStream
+from reshard.io.remote_dir import SPECULATIVE
+from reshard.io.sources import open_source
+from reshard.io.stream import RankStream
+from reshard.plan.planner import make_plan
 
 
 def _bytes(plan) -> bytes:
@@ -54,8 +54,8 @@ def test_ranks_identical_to_local_and_fetch_only_what_they_need(store, local_roo
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_bytes_read_is_what_the_local_stream_preads(local_root: Path, monkeypatch, tp: int) -> None:
-    from reshard.plan import RankPlan
-    from reshard.sources.readers import LocalReader
+    from reshard.io.readers import LocalReader
+    from reshard.plan.types import RankPlan
 
     read = []
     pread = LocalReader.pread
@@ -83,11 +83,11 @@ def test_cli_write_from_store_matches_local(store, local_root: Path, tmp_path: P
 
 
 def test_object_replaced_mid_stream_fails_the_stream(store, local_root: Path, monkeypatch, boto, tmp_path) -> None:
-    import reshard.sources.readers as readers
+    import reshard.io.readers as readers
 
     kind, _, url = store
     monkeypatch.setattr(readers, "WINDOW", 16 << 10)  # fetch ahead in small windows, so most is read later
-    monkeypatch.setattr(readers, "CAP", 32 << 10)
+    monkeypatch.setenv("RESHARD_STORE_INFLIGHT", str(32 << 10))
     remote, manifest = open_source(url)
     plan = make_plan(remote, manifest, 2).ranks[0]
     name = "model-00001-of-00002.safetensors"

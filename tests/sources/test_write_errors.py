@@ -12,9 +12,9 @@ from _live import free_port, make_ckpt
 from bench.stores import TEST_SECRET, s3_server
 from bench.stores import s3_env as env_for
 from reshard.cli import main
-from reshard.plan import make_plan
-from reshard.sources import open_source
-from reshard.sources.sink import write_shards_to_store
+from reshard.io.sources import open_source
+from reshard.io.store_writer import write_shards_to_store
+from reshard.plan.planner import make_plan
 
 
 def _objects(boto, prefix: str) -> dict[str, bytes]:

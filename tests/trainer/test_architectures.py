@@ -18,8 +18,8 @@ from safetensors.torch import load_file
 from trainer_checks import arch_job, global_slice, run_distributed
 
 from reshard.errors import CheckpointError
-from reshard.merge import merge
-from reshard.plan import rank_file_name
+from reshard.io.merge import merge
+from reshard.plan.types import rank_file_name
 from reshard.trainer import build_model
 
 LOGIT_ATOL = 1e-5

@@ -1,4 +1,4 @@
-"""The TP trainer end to end: `python -m reshard.train` at tp=2 against tp=1 (losses and merged weights)
+"""The TP trainer end to end: `python -m reshard.cli.train` at tp=2 against tp=1 (losses and merged weights)
 for a dense and a MoE architecture, the merged result in transformers' `from_pretrained`, resharding of
 shards, and the peak memory of the meta-device build.
 """
@@ -18,9 +18,9 @@ from archs import ARCHS, IDS, reference_model, write_shards
 from safetensors.torch import load_file
 from trainer_checks import PYTHON, REPO, build_memory_job, run_distributed, run_train
 
-from reshard.merge import merge
-from reshard.plan import rank_file_name
-from reshard.synth import llama_config, make_checkpoint
+from reshard.io.merge import merge
+from reshard.plan.types import rank_file_name
+from reshard.testing.synth import llama_config, make_checkpoint
 from reshard.trainer import build_model
 
 TPS = (1, 2, 4)
@@ -55,7 +55,7 @@ STEPS = 3
 
 @pytest.fixture(scope="module")
 def trained(arch_work: Path) -> dict[tuple[str, int], dict[str, Any]]:
-    """`reshard.train` for 3 steps at tp=1 (in process) and tp=2 (torchrun), saved and merged."""
+    """`reshard.cli.train` for 3 steps at tp=1 (in process) and tp=2 (torchrun), saved and merged."""
     out = {}
     for name in TRAINED:
         for tp in (1, 2):
@@ -114,7 +114,7 @@ def test_tp1_run_without_torchrun_prints_losses(trained: dict) -> None:
 
 
 def test_train_help() -> None:
-    proc = subprocess.run([PYTHON, "-m", "reshard.train", "--help"], cwd=REPO, capture_output=True,
+    proc = subprocess.run([PYTHON, "-m", "reshard.cli.train", "--help"], cwd=REPO, capture_output=True,
                           text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     for option in ("--shards", "--steps", "--save", "--metrics", "--seq-len", "--dtype"):

@@ -26,9 +26,9 @@ if _TESTS not in sys.path:  # `tests/_dist.py` is importable as `_dist` without 
 
 from _dist import run_distributed  # noqa: E402
 
+from reshard.cli.train import main as train_main  # noqa: E402
 from reshard.errors import ReshardError  # noqa: E402
-from reshard.experts import shard_layout  # noqa: E402
-from reshard.train import main as train_main  # noqa: E402
+from reshard.fill.experts import shard_layout  # noqa: E402
 from reshard.trainer import build_model, causal_lm_loss, save_rank_shard  # noqa: E402
 
 __all__ = ["run_distributed"]
@@ -112,7 +112,8 @@ def build_memory_job(rank: int, world_size: int, shard_dir: str) -> dict[str, in
     """
     import json
 
-    from reshard.trainer.hf import hf_config, init_buffers, meta_model
+    from reshard.fill.hf import hf_config, init_buffers
+    from reshard.trainer.hf import meta_model
 
     torch.set_num_threads(1)
     torch.nn.Linear(2, 2, device="meta").to_empty(device="cpu")
@@ -166,8 +167,8 @@ def run_train(
     shards: Path, tp: int, *, steps: int, save: Path, metrics: Path, lr: float, seq_len: int = 32,
     batch_size: int = 4, timeout: float = 180.0,
 ) -> subprocess.CompletedProcess[str]:
-    """`reshard.train.main` in this process (tp=1, no torchrun: stdout in the result), or
-    `python -m reshard.train` under `torch.distributed.run` (tp > 1)."""
+    """`reshard.cli.train.main` in this process (tp=1, no torchrun: stdout in the result), or
+    `python -m reshard.cli.train` under `torch.distributed.run` (tp > 1)."""
     args = ["--shards", str(shards), "--steps", str(steps), "--save", str(save),
             "--metrics", str(metrics), "--seq-len", str(seq_len), "--batch-size", str(batch_size),
             "--seed", "3", "--lr", str(lr), "--dtype", "float32", "--threads", "1"]
@@ -176,9 +177,9 @@ def run_train(
         with contextlib.redirect_stdout(stdout):
             rc = train_main(args)
         assert rc == 0, f"tp=1 training failed ({rc}):\n{stdout.getvalue()}"
-        return subprocess.CompletedProcess(["reshard.train", *args], rc, stdout.getvalue(), "")
+        return subprocess.CompletedProcess(["reshard.cli.train", *args], rc, stdout.getvalue(), "")
     launcher = ["-m", "torch.distributed.run", "--nproc-per-node", str(tp), "--master-addr", "127.0.0.1",
-                "--master-port", str(free_port()), "-m", "reshard.train"]
+                "--master-port", str(free_port()), "-m", "reshard.cli.train"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
     proc = subprocess.run([PYTHON, *launcher, *args], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=timeout)

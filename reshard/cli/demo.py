@@ -1,0 +1,222 @@
+"""`reshard demo`: the whole path on one machine, in a few minutes on 2 CPU cores.
+
+generate a checkpoint -> serve it -> 2-rank torchrun job whose workers pull their own shards over
+HTTP -> train on the bundled text -> save rank shards -> merge them back -> verify -> summary.
+Every process it starts is stopped on success, failure or Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from reshard.errors import ReshardError
+from reshard.format.checkpoint import Checkpoint
+from reshard.io.merge import merge
+from reshard.io.progress import human
+from reshard.io.shards import ShardSet
+
+if TYPE_CHECKING:
+    import torch
+
+NAME = "demo-llama"
+
+
+class DemoError(ReshardError):
+    """A step of the demo failed."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def step(msg: str) -> None:
+    print(f"==> {msg}", flush=True)
+
+
+@contextmanager
+def process(cmd: list[str], *, log: Path | None = None, env: dict[str, str] | None = None):
+    """Start `cmd` in its own process group; on exit stop the whole group."""
+    out = open(log, "wb") if log else None
+    proc = subprocess.Popen(cmd, stdout=out or None, stderr=subprocess.STDOUT if out else None,
+                            env=env, start_new_session=True)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        if out:
+            out.close()
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float = 60.0) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise DemoError(f"the service exited with {proc.returncode}; see {log}")
+        try:
+            if httpx.get(f"{url}/healthz", timeout=1.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise DemoError(f"the service did not become healthy in {timeout:.0f} s; see {log}")
+
+
+def place(full: torch.Tensor, local: torch.Tensor, select: Any) -> None:
+    """Put a rank's piece (global indices `select`, padding past the end dropped) into `full`."""
+    import torch
+
+    index = []
+    for d, dim in enumerate(select):
+        idx = torch.cat([torch.arange(a, b) for a, b in dim])
+        keep = (idx < full.shape[d]).nonzero().flatten()
+        local = local.index_select(d, keep)
+        index.append(idx[keep])
+    if index:
+        full[torch.meshgrid(*index, indexing="ij")] = local
+    else:
+        full.copy_(local)
+
+
+def verify_merge(original: Path, trained: Path, merged: Path) -> int:
+    """Independent check: every merged tensor equals the trained rank pieces put together with torch,
+    and names, shapes and the config match the original checkpoint. Returns the tensor count."""
+    import torch
+    from safetensors import safe_open
+
+    src, out = Checkpoint.open(original), Checkpoint.open(merged)
+    if set(src.tensors) != set(out.tensors):
+        raise DemoError(f"merged names differ from the original: {sorted(set(src.tensors) ^ set(out.tensors))[:3]}")
+    shards = ShardSet.open(trained)
+    for name, gt in shards.tensors.items():
+        full = torch.zeros(gt.shape, dtype=torch.float64)
+        for piece in gt.pieces:
+            with safe_open(piece.info.file, "pt") as f:
+                place(full, f.get_tensor(name).double(), piece.select)
+        with safe_open(out.tensors[name].file, "pt") as f:
+            got = f.get_tensor(name).double()
+        if tuple(got.shape) != src.tensors[name].shape or not torch.equal(got, full):
+            raise DemoError(f"merged {name} does not match the trained rank shards")
+    if out.config != src.config:
+        raise DemoError("merged config.json differs from the original")
+    return len(out.tensors)
+
+
+def ascii_plot(values: list[float], width: int = 60, height: int = 10) -> str:
+    lo, hi = min(values), max(values)
+    span = (hi - lo) or 1.0
+    n = min(width, len(values))
+    cols = [values[round(i * (len(values) - 1) / max(n - 1, 1))] for i in range(n)]
+    rows = []
+    for r in range(height, -1, -1):
+        level = lo + span * r / height
+        line = "".join("*" if abs(v - level) <= span / height / 2 else " " for v in cols)
+        rows.append(f"{level:8.3f} |{line}")
+    return "\n".join(rows + [" " * 9 + "+" + "-" * len(cols), " " * 10 + f"steps 1..{len(values)}"])
+
+
+def save_png(values: list[float], path: Path) -> Path | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(range(1, len(values) + 1), values, marker=".")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_title("reshard demo: tp=2 training loss")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def run_demo(workdir: Path, *, steps: int, tp: int, preset: str, seq_len: int, batch_size: int) -> dict[str, Any]:
+    import torch
+
+    from reshard.testing.synth import make_checkpoint, preset_config
+
+    workdir = workdir.resolve()
+    ckpt_root = workdir / "checkpoints"
+    ckpt = ckpt_root / NAME
+    trained, merged, logs = workdir / "trained-shards", workdir / "merged", workdir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    step(f"1/6 generating a random-weight {preset} Llama checkpoint in {ckpt}")
+    make_checkpoint(ckpt, preset_config(preset), dtype=torch.bfloat16, num_files=2, seed=0)
+    full_bytes = Checkpoint.open(ckpt).total_bytes()
+    print(f"    {human(full_bytes)} of tensors in 2 files + index.json; config.json carries base_model_tp_plan")
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    with ExitStack() as stack:
+        step(f"2/6 starting the service on {base} (log: {logs / 'serve.log'})")
+        serve = stack.enter_context(process(
+            [sys.executable, "-m", "reshard.cli", "serve", "--root", str(ckpt_root), "--host", "127.0.0.1",
+             "--port", str(port), "--out", str(workdir / "jobs")], log=logs / "serve.log"))
+        wait_healthy(base, serve, logs / "serve.log")
+        url = f"{base}/v1/checkpoints/{NAME}"
+        step(f"3/6 torchrun: {tp} ranks pull their own shards from {url} and train {steps} steps")
+        env = {**os.environ, "RESHARD_T0": f"{time.time():.6f}", "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // tp))}
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tp), "--master-addr", "127.0.0.1",
+               "--master-port", str(free_port()), "-m", "reshard.cli.train", "--shards", url, "--steps", str(steps),
+               "--seq-len", str(seq_len), "--batch-size", str(batch_size), "--save", str(trained),
+               "--metrics", str(workdir / "metrics.json")]
+        train = stack.enter_context(process(cmd, env=env))
+        if train.wait() != 0:
+            raise DemoError(f"the torchrun job failed with exit status {train.returncode}")
+    step(f"4/6 merging the trained tp={tp} shards into {merged}")
+    merge(trained, merged)
+    step("5/6 verifying the merge against the rank shards, the original names, shapes and config")
+    count = verify_merge(ckpt, trained, merged)
+    metrics = json.loads((workdir / "metrics.json").read_text())
+    losses = metrics["losses"]
+    png = save_png(losses, workdir / "loss.png")
+    step("6/6 summary")
+    per_rank = metrics["shard_bytes_per_rank"]
+    for r, n in enumerate(per_rank):
+        print(f"    rank {r} pulled {human(n)} = {n / full_bytes:.1%} of the {human(full_bytes)} checkpoint")
+    print(f"    time to first step: {metrics['time_to_first_step_s']:.2f} s (launch to model filled: {metrics['load_s']:.2f} s)")
+    print(f"    loss: first {losses[0]:.4f}, last {losses[-1]:.4f} over {len(losses)} steps")
+    print(ascii_plot(losses))
+    print(f"    merged checkpoint verified: {count} tensors, in {merged}")
+    print(f"    outputs: {ckpt} (source), {trained} (trained shards), {merged} (merged), "
+          f"{workdir / 'metrics.json'}{', ' + str(png) if png else ''}")
+    return {**metrics, "full_bytes": full_bytes, "merged": str(merged), "verified_tensors": count}
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    run_demo(Path(args.workdir), steps=args.steps, tp=args.tp, preset=args.preset, seq_len=args.seq_len,
+             batch_size=args.batch_size)
+    return 0
+
+
+def add_commands(sub: Any) -> None:
+    p = sub.add_parser("demo", help="end to end: generate, serve, train under torchrun, merge, verify")
+    p.add_argument("--workdir", default="reshard-demo", help="where everything goes (default ./reshard-demo)")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--tp", type=int, default=2)
+    p.add_argument("--preset", default="demo", help="model size: demo (34M parameters) or tiny")
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.set_defaults(func=cmd_demo)

@@ -1,0 +1,31 @@
+"""`reshard merge SHARDS -o OUT`: rank shards back to a full HF checkpoint (`reshard.io.merge`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from reshard.io.merge import DEFAULT_MAX_FILE, merge
+from reshard.io.progress import add_progress_flags, human
+
+
+def cmd_merge(args: argparse.Namespace) -> int:
+    summary = merge(args.shards, args.out, max_file_bytes=args.max_file_bytes, progress=args.progress)
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        print(f"merged {summary['tensors']} tensors from tp={summary['tp']} shards into {args.out} "
+              f"({human(summary['bytes'])} in {len(summary['files'])} file(s))")
+    return 0
+
+
+def add_commands(sub: Any) -> None:
+    p = sub.add_parser("merge", help="merge a directory of rank shards back into a full HF checkpoint")
+    p.add_argument("shards", help="directory (or s3:// / gs:// prefix) of rank-XXXXX-of-YYYYY.safetensors files")
+    p.add_argument("-o", "--out", required=True, help="output checkpoint directory")
+    p.add_argument("--max-file-bytes", type=int, default=DEFAULT_MAX_FILE,
+                   help="start a new model-XXXXX-of-YYYYY file past this many bytes (default 5e9)")
+    p.add_argument("--json", action="store_true", help="print a JSON summary")
+    add_progress_flags(p)
+    p.set_defaults(func=cmd_merge)

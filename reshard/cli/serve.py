@@ -1,0 +1,78 @@
+"""`reshard serve --root DIR [--host 127.0.0.1] [--port 8000] [--token TOKEN] [--out DIR] [--workers N]` on uvicorn.
+
+Every setting can also come from a `RESHARD_*` environment variable; flags override them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+from typing import Any
+
+from reshard.errors import ReshardError
+
+
+def _settings(args: argparse.Namespace) -> Any:
+    from pydantic import ValidationError
+
+    from reshard.service.settings import Settings
+
+    flags = {
+        "root": args.root, "host": args.host, "port": args.port, "token": args.token, "out": args.out,
+        "max_upload_bytes": args.max_upload_bytes, "chunk_size": args.chunk_size, "log_level": args.log_level,
+        "public_docs": args.public_docs, "workers": args.workers, "zero_copy": args.zero_copy,
+        "gather_cache": args.gather_cache,
+    }
+    try:
+        return Settings(**{k: v for k, v in flags.items() if v is not None})
+    except ValidationError as e:
+        problems = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'settings'}: {err['msg']}" for err in e.errors())
+        raise ReshardError(f"serve: {problems} (flags or RESHARD_* environment variables)") from None
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    settings = _settings(args)
+    if settings.workers > 1:
+        from reshard.service.workers import serve_workers
+
+        return serve_workers(settings, workers=settings.workers, access_log=not args.no_access_log)
+
+    import uvicorn
+
+    from reshard.service.app import create_app
+    from reshard.service.process import enable_mapped_reads
+    from reshard.service.workers import http_protocol
+
+    enable_mapped_reads(settings)
+    app = create_app(settings)  # its lifespan stops write jobs at SIGTERM, before uvicorn drains connections
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
+                            access_log=not args.no_access_log, timeout_keep_alive=30, http=http_protocol(settings))
+    server = uvicorn.Server(config)
+    with contextlib.suppress(KeyboardInterrupt):
+        server.run()
+    return 0 if server.started else 3  # uvicorn has logged why it did not start (port in use...)
+
+
+def add_commands(sub: Any) -> None:
+    p = sub.add_parser("serve", help="serve rank shards of the checkpoints under a root over HTTP",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--root", help="directory whose subdirectories are checkpoints (env RESHARD_ROOT)")
+    p.add_argument("--host", help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="port (default 8000)")
+    p.add_argument("--token", help="require `Authorization: Bearer TOKEN` everywhere but /healthz")
+    p.add_argument("--out", help="directory for write jobs (default ROOT/.reshard/out)")
+    p.add_argument("--max-upload-bytes", type=int, help="largest accepted upload")
+    p.add_argument("--chunk-size", type=int, help="bytes per streamed chunk that is read and copied (default 8 MiB)")
+    p.add_argument("--workers", type=int, help="worker processes sharing the port (default: one per core)")
+    p.add_argument("--no-zero-copy", dest="zero_copy", action="store_false", default=None,
+                   help="copy every byte through Python instead of sendfile (env RESHARD_ZERO_COPY=false)")
+    p.add_argument("--gather-cache", type=int, metavar="BYTES",
+                   help="keep copies of the row-split pieces of shards pulled more than once, up to BYTES in "
+                        "ROOT/.reshard/gathered or RESHARD_GATHER_DIR (default 8 GiB; 0: off; env RESHARD_GATHER_CACHE)")
+    p.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug", "trace"])
+    p.add_argument("--public-docs", action="store_true", default=None, help="/docs without the token")
+    p.add_argument("--no-access-log", action="store_true", help="do not log every request")
+    p.set_defaults(func=cmd_serve)
+
+
+__all__ = ["ReshardError", "add_commands", "cmd_serve"]

@@ -1,0 +1,171 @@
+"""Fill materialized parameters from a rank file's byte stream, as the bytes arrive.
+
+The stream is the rank file itself (from disk or from the service): header first, then each tensor's
+bytes in offset order. Bytes go straight into the parameter's storage when dtype and device allow;
+otherwise through one tensor-sized buffer. No second copy of the shard ever exists.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from reshard.errors import HeaderError, IntegrityError, PlanError, ReshardError
+from reshard.format.checkpoint import MAX_HEADER_BYTES, parse_header
+from reshard.format.tensors import TORCH_DTYPES
+from reshard.rules.quant.dequant import Dequantizer
+
+
+class RankHeader:
+    """A parsed rank-file header: tensor entries plus the shard's self-description."""
+
+    def __init__(self, raw: bytes, source: str) -> None:
+        self.raw, self.source = raw, source
+        self.total = len(raw) + _data_end(raw)  # the stream's length, as the header says where the data ends
+        self.entries, self.metadata = parse_header(raw, path=source, file_size=self.total)
+        try:
+            self.tp, self.rank = int(self.metadata["tp"]), int(self.metadata["rank"])
+            self.tensors: dict[str, dict[str, Any]] = json.loads(self.metadata["tensors"])
+        except (KeyError, ValueError):
+            raise HeaderError(f"{source}: not a reshard rank file (no tp/rank/tensors metadata)") from None
+
+
+    def dtypes(self) -> dict[str, torch.dtype]:
+        return {k: TORCH_DTYPES[e["dtype"]] for k, e in self.entries.items()}
+
+    def model_tensors(self) -> dict[str, dict[str, Any]]:
+        """The self-description of the tensors that become model tensors: all but FP8 scales, which
+        the fill consumes while dequantizing their weights."""
+        companions = Dequantizer(self.tensors, self.dtypes()).companions
+        return {n: d for n, d in self.tensors.items() if n not in companions}
+
+
+def _data_end(raw: bytes) -> int:
+    try:
+        obj = json.loads(raw[8:])
+        return max((v["data_offsets"][1] for k, v in obj.items() if k != "__metadata__"), default=0)
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+        return 0  # parse_header will say what is wrong
+
+
+def read_header_from(chunks: Iterator[memoryview | bytes], source: str) -> tuple[RankHeader, bytearray]:
+    """Take bytes from `chunks` until the header is complete; return it and the bytes after it."""
+    buf = bytearray()
+    need = 8
+    while len(buf) < need:
+        try:
+            buf += next(chunks)
+        except StopIteration:
+            raise HeaderError(f"{source}: stream ended after {len(buf)} bytes, inside the header") from None
+        if need == 8 and len(buf) >= 8:
+            (n,) = struct.unpack("<Q", buf[:8])
+            if n > MAX_HEADER_BYTES:
+                raise HeaderError(f"{source}: header length {n} exceeds the {MAX_HEADER_BYTES}-byte limit")
+            need = 8 + n
+    return RankHeader(bytes(buf[:need]), source), buf[need:]
+
+
+def byte_view(t: torch.Tensor) -> memoryview:
+    """The bytes of a (contiguous, CPU, non-empty) tensor, without a copy."""
+    return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy())
+
+
+def fill_parameters(
+    header: RankHeader, rest: Iterable[memoryview | bytes], targets: dict[str, torch.Tensor], *,
+    sha256: str | None = None, leftover: bytes | bytearray = b"", keep: bool = False,
+) -> None:
+    """Copy every tensor of the stream into `targets[name]` (materialized, same shape; a view into a
+    larger tensor is fine, and a dtype other than the shard's is cast). On a failure the error says
+    how many tensors had been filled.
+
+    `leftover` is what came after the header in its chunk; `rest` yields the remaining bytes.
+    With `sha256`, the whole stream (header included) must hash to it. FP8 weights are dequantized
+    into their parameters' dtype (`reshard.rules.quant.dequant`); with `keep` they are an error instead.
+    """
+    order = sorted(header.entries.items(), key=lambda kv: kv[1]["data_offsets"][0])
+    quant = Dequantizer(header.tensors, header.dtypes())
+    missing = sorted(set(targets) - set(header.entries))
+    extra = sorted(set(header.entries) - set(targets) - quant.companions)
+    if missing or extra:
+        raise PlanError(f"{header.source}: shard and model disagree: the shard lacks {missing[:3]}, "
+                        f"the model lacks {extra[:3]}")
+    sha = hashlib.sha256(header.raw) if sha256 else None
+    plans = []
+    for name, e in order:
+        src_dtype = TORCH_DTYPES[e["dtype"]]
+        t = targets[name] if name in targets else torch.empty(e["shape"], dtype=src_dtype, device="meta")  # a scale
+        if tuple(t.shape) != tuple(e["shape"]):
+            raise PlanError(f"{header.source}: {name} has shape {e['shape']} in the shard, {list(t.shape)} in the model")
+        quant.check_target(name, t, keep=keep)
+        direct = t.device.type == "cpu" and t.dtype == src_dtype and t.is_contiguous()
+        plans.append((name, t, src_dtype, direct))
+
+    def chunks() -> Iterator[memoryview]:
+        if leftover:
+            yield memoryview(leftover)
+        for c in rest:
+            yield memoryview(c)
+
+    done: list[str] = []  # names fully written; `partial` the one whose bytes began to land
+    partial: list[str] = []
+    try:
+        _copy(header, plans, chunks(), sha, quant, targets, done, partial)
+        if sha is not None and sha.hexdigest() != sha256:
+            raise IntegrityError(f"{header.source}: sha256 {sha.hexdigest()} does not match the recorded {sha256}")
+    except ReshardError as e:  # a truncated or corrupt stream, or a failed download: say what was written
+        half = f" and {partial[0]} in part" if partial and partial[0] not in done else ""
+        raise type(e)(f"{e}; {len(done)} of {len(plans)} tensors had been filled{half}, so the parameters hold an "
+                      "incomplete or unverified shard: fill them again before use") from None
+    header.tensors = quant.dequantized()  # what the model now holds, for `save_rank_shard`
+
+
+def _copy(header: RankHeader, plans: list[tuple[str, torch.Tensor, torch.dtype, bool]], it: Iterator[memoryview],
+          sha: Any, quant: Dequantizer, targets: dict[str, torch.Tensor], done: list[str], partial: list[str]) -> None:
+    pending = memoryview(b"")
+    for name, t, src_dtype, direct in plans:
+        staging = t if direct else torch.empty(t.shape, dtype=src_dtype)
+        dst = byte_view(staging) if staging.numel() else memoryview(bytearray())
+        got = 0
+        while got < len(dst):
+            if not pending:
+                try:
+                    pending = next(it)
+                except StopIteration:
+                    raise IntegrityError(f"{header.source}: stream ended inside tensor {name}") from None
+                if sha is not None:
+                    sha.update(pending)
+            n = min(len(pending), len(dst) - got)
+            dst[got : got + n] = pending[:n]
+            pending = pending[n:]
+            got += n
+            if direct:
+                partial[:] = [name]
+        if not direct:
+            for target, value in quant.feed(name, staging):  # an FP8 weight: dequantized
+                into(targets[target], value, name=target)
+        done.append(name)
+    # exhaust the stream (an HTTP client verifies its digest at the end); nothing may follow
+    if len(pending) or any(len(c) for c in it):
+        raise IntegrityError(f"{header.source}: bytes after the last tensor")
+
+
+def into(target: torch.Tensor, staged: torch.Tensor, *, name: str) -> None:
+    """The one place where a shard tensor's bytes (`staged`, as stored) become the target's value:
+    dtype cast and device copy. A dequantizing kind hooks in here."""
+    with torch.no_grad():
+        target.copy_(staged)
+
+
+def file_chunks(path: Path, chunk: int = 8 << 20) -> Iterator[bytes]:
+    """A file's bytes; the first read is small, so taking the header off it copies little."""
+    with open(path, "rb") as f:
+        size = 1 << 20
+        while data := f.read(size):
+            yield data
+            size = chunk

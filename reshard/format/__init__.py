@@ -1,0 +1,1 @@
+"""Safetensors files and checkpoints: headers, validated checkpoints, selections, rank-file self-description."""

@@ -1,0 +1,358 @@
+"""Pull a rank shard from `reshard serve`: retries, resume with `Range`, length and sha256 verified.
+
+    client = ShardClient("http://host:8000/v1/checkpoints/llama")   # token: argument or RESHARD_TOKEN
+    client.info()                      # files, tensors, config.json, manifest
+    client.plan(4)                     # what every rank of tp=4 gets
+    data = client.read_shard(1, 4)     # rank 1 of 4 as a bytearray (a safetensors file)
+    client.pull(1, 4, "rank-1.safetensors")      # atomic, resumable, progress bar on a terminal
+    for piece in client.iter_shard(1, 4): ...    # stream it (e.g. straight into parameters)
+
+A broken connection is resumed with `Range: bytes=POS-` and `If-Range: ETAG`: if the shard changed on
+the server meanwhile (its ETag names the source files, manifest, tp and rank) the bytes already
+received are stale and `IntegrityError` is raised instead of mixing versions. At the end the total
+length and the sha256 (from the server's digest) are checked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import re
+import time
+from collections import deque
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from reshard import errors
+from reshard.errors import IntegrityError, NotFoundError, OutputPathError, ReshardError
+from reshard.io.outfs import check_space, fsync_dir, output_errors, prepare_dir
+from reshard.io.progress import Progress
+from reshard.plan.types import rank_file_name
+
+TOKEN_ENV = "RESHARD_TOKEN"
+SHA_HEADER = "x-reshard-sha256"
+_CKPT_URL = re.compile(r"^https?://[^/]+(/.*)?/v1/checkpoints/[A-Za-z0-9][A-Za-z0-9._-]*$")
+_CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/(\d+)$")
+_RETRY_STATUS = frozenset({500, 502, 503, 504})
+
+
+class _Retryable(Exception):
+    """A failure worth another try (connection broken, 5xx)."""
+
+
+@dataclass(frozen=True)
+class ShardHead:
+    """What `HEAD` says about a shard: its size, ETag and (once the server knows it) sha256."""
+
+    size: int
+    etag: str
+    sha256: str | None = None
+
+
+class ShardClient:
+    """A client for one checkpoint URL `http://HOST:PORT/v1/checkpoints/NAME`."""
+
+    def __init__(self, checkpoint_url: str, *, token: str | None = None, retries: int = 5, timeout: float = 60.0,
+                 backoff: float = 0.25, rules: str | None = None, verify: bool = True,
+                 transport: httpx.BaseTransport | None = None) -> None:
+        url = checkpoint_url.rstrip("/")
+        if not _CKPT_URL.match(url):
+            raise ReshardError(f"{checkpoint_url!r} is not a checkpoint URL; expected http://HOST:PORT/v1/checkpoints/NAME")
+        self.url, self.retries, self.backoff, self.verify = url, retries, backoff, verify
+        self.params = {"rules": rules} if rules else {}
+        token = token if token is not None else os.environ.get(TOKEN_ENV) or None
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.timeout = timeout
+        self._http = httpx.Client(headers=headers, timeout=httpx.Timeout(timeout, connect=min(timeout, 10.0)),
+                                  transport=transport)
+
+    def __enter__(self) -> ShardClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._http.close()
+
+    # --- JSON endpoints ------------------------------------------------------------------------
+
+    def info(self) -> dict[str, Any]:
+        """The checkpoint: files, tensors (dtype, shape, bytes), config.json, manifest source."""
+        return self._json("GET", self.url)
+
+    def plan(self, tp: int, *, tensors: bool = True) -> dict[str, Any]:
+        """The plan of every rank of `tp` (what each rank file contains), with each shard's ETag."""
+        return self._json("GET", f"{self.url}/plan", params={"tp": tp, "tensors": str(tensors).lower()})
+
+    def digest(self, rank: int, tp: int) -> dict[str, Any]:
+        """`{"sha256", "size", "etag", ...}` of a shard (the server streams it once, then caches)."""
+        return self._json("GET", self.shard_url(rank) + "/digest", params={"tp": tp},
+                          timeout=httpx.Timeout(max(self.timeout, 600.0), connect=min(self.timeout, 10.0)))
+
+    def head(self, rank: int, tp: int) -> ShardHead:
+        """Size, ETag and (if known) sha256 of a shard. Asks for its first byte rather than HEAD, so
+        that errors come with the server's JSON explanation."""
+        r = self._call(lambda: self._http.get(self.shard_url(rank), params={**self.params, "tp": tp},
+                                              headers={"Range": "bytes=0-0", "Accept-Encoding": "identity"}))
+        _, size = _body_span(r, 0)
+        return ShardHead(size, r.headers["etag"], r.headers.get(SHA_HEADER))
+
+    def shard_url(self, rank: int) -> str:
+        return f"{self.url}/shards/{rank}"
+
+    # --- shard bytes -------------------------------------------------------------------------
+
+    def iter_shard(self, rank: int, tp: int, *, start: int = 0) -> Iterator[bytes]:
+        """The shard's bytes from `start`, resuming after broken connections; verified at the end
+        (the sha256 only when `start` is 0, since the bytes before it are not seen)."""
+        for _pos, _size, piece in self._pieces(rank, tp, start=start):
+            yield piece
+
+    def read_shard(self, rank: int, tp: int) -> bytearray:
+        """The whole shard in memory (a safetensors file: `safetensors.torch.load(bytes(...))`)."""
+        out: bytearray | None = None
+        for pos, size, piece in self._pieces(rank, tp):
+            if out is None:
+                out = bytearray(size)
+            out[pos : pos + len(piece)] = piece
+        assert out is not None
+        return out
+
+    def pull(self, rank: int, tp: int, dest: str | os.PathLike[str], *, progress: bool | None = None,
+             resume: bool = True) -> dict[str, Any]:
+        """Download to `dest` atomically (temp file + fsync + rename). A partial temp file left by an
+        earlier try of the same shard (same ETag) is resumed; returns path, size, sha256, etag."""
+        dest = Path(dest)
+        part, meta = dest.with_name(f".{dest.name}.part"), dest.with_name(f".{dest.name}.part.json")
+        head = self.head(rank, tp)
+        retry = f"run the same pull again (it resumes from {part.name})"
+        prepare_dir(dest.parent, for_file=dest)
+        if dest.is_dir():
+            raise OutputPathError(f"{dest}: is a directory; give the file to write, e.g. {dest / rank_file_name(rank, tp)}")
+        version = {"url": self.shard_url(rank), "tp": tp, "etag": head.etag}
+        sha, start = hashlib.sha256(), 0
+        bar = Progress(head.size, f"rank {rank}/{tp}", enabled=progress)
+        try:
+            with output_errors(dest, retry=retry):  # out of space etc.: the partial file stays, to resume
+                if resume and part.is_file() and _read_meta(meta) == version:
+                    start = min(part.stat().st_size, head.size)
+                    with open(part, "rb") as f:  # the bytes already here count towards the digest
+                        left = start
+                        while left and (block := f.read(min(8 << 20, left))):
+                            sha.update(block)
+                            left -= len(block)
+                else:
+                    meta.write_text(json.dumps(version))
+                check_space(dest.parent, head.size - start, fix=f"free some space there or pull elsewhere, then {retry}")
+                bar.update(start)
+                with open(part, "r+b" if start else "wb", buffering=0) as f:
+                    f.truncate(start)
+                    f.seek(start)
+                    for _pos, _size, piece in self._pieces(rank, tp, start=start, etag=head.etag, sha=sha):
+                        view = memoryview(piece)
+                        while view:
+                            view = view[f.write(view):]
+                        bar.update(len(piece))
+                    os.fsync(f.fileno())
+                os.replace(part, dest)
+        except IntegrityError:
+            for p in (part, meta):
+                with contextlib.suppress(FileNotFoundError):
+                    p.unlink()
+            raise
+        finally:
+            bar.close()
+        with contextlib.suppress(FileNotFoundError):
+            meta.unlink()
+        fsync_dir(dest.parent)
+        return {"path": str(dest), "rank": rank, "tp": tp, "size": head.size, "sha256": sha.hexdigest(),
+                "etag": head.etag, "resumed_from": start}
+
+    def _pieces(self, rank: int, tp: int, *, start: int = 0, etag: str | None = None,
+                sha: Any = None) -> Iterator[tuple[int, int, bytes]]:
+        """(offset, shard size, bytes) from `start`; `sha` is fed every byte when given (else a fresh
+        one when start is 0 and verification is on); `etag` pins the shard version."""
+        if sha is None and start == 0 and self.verify:
+            sha = hashlib.sha256()
+        with _BackgroundHash(sha) as hasher:
+            yield from self._fetch(rank, tp, start=start, etag=etag, hasher=hasher)
+
+    def _fetch(self, rank: int, tp: int, *, start: int, etag: str | None,
+               hasher: _BackgroundHash) -> Iterator[tuple[int, int, bytes]]:
+        pos, size, failures, server_sha = start, None, 0, None
+        url, params = self.shard_url(rank), {**self.params, "tp": tp}
+        while size is None or pos < size:
+            headers = {"Accept-Encoding": "identity"}  # raw bytes are read: no content coding
+            if pos:
+                headers["Range"] = f"bytes={pos}-"
+            if pos and etag:
+                headers["If-Range"] = etag
+            try:
+                with self._http.stream("GET", url, params=params, headers=headers) as r:
+                    if r.status_code == 416 and pos and _total(r.headers.get("content-range")) == pos:
+                        size = pos  # the bytes before `start` were the whole shard
+                        break
+                    self._check(r)
+                    got = r.headers.get("etag")
+                    if etag is not None and got != etag:
+                        raise IntegrityError(f"{url}?tp={tp}: the shard changed on the server (ETag {etag} -> {got}); "
+                                             "the bytes received so far are stale, pull again")
+                    etag = got
+                    skip, total = _body_span(r, pos)
+                    if size is not None and total != size:
+                        raise IntegrityError(f"{url}?tp={tp}: size changed from {size} to {total} bytes")
+                    size = total
+                    server_sha = r.headers.get(SHA_HEADER) or server_sha
+                    for piece in r.iter_raw():
+                        if skip:
+                            cut = min(skip, len(piece))
+                            piece, skip = piece[cut:], skip - cut
+                            if not piece:
+                                continue
+                        hasher.update(piece)
+                        yield pos, size, piece
+                        pos += len(piece)
+                        failures = 0
+                    if pos < size:
+                        raise _Retryable(f"connection closed at byte {pos} of {size}")
+            except (httpx.TransportError, _Retryable) as e:
+                failures += 1
+                self._wait_or_give_up(failures, f"{url}?tp={tp}: giving up after {self.retries} retries at byte {pos}: {e}")
+        if size is None or pos != size:
+            raise IntegrityError(f"{url}?tp={tp}: received {pos} bytes, expected {size}")
+        if hasher.active and self.verify:
+            if server_sha is None:
+                d = self.digest(rank, tp)
+                if d["etag"] != etag:
+                    raise IntegrityError(f"{url}?tp={tp}: the shard changed on the server during the download")
+                server_sha = d["sha256"]
+            got = hasher.hexdigest()
+            if got != server_sha:
+                raise IntegrityError(f"{url}?tp={tp}: sha256 of the {size} bytes received is {got}, "
+                                     f"the server says {server_sha}; pull again")
+
+    # --- plumbing ----------------------------------------------------------------------------
+
+    def _json(self, method: str, url: str, **kw: Any) -> dict[str, Any]:
+        params = {**self.params, **kw.pop("params", {})}
+        r = self._call(lambda: self._http.request(method, url, params=params, **kw))
+        return r.json()
+
+    def _call(self, do: Any) -> httpx.Response:
+        failures = 0
+        while True:
+            try:
+                r = do()
+                self._check(r)
+                return r
+            except (httpx.TransportError, _Retryable) as e:
+                failures += 1
+                self._wait_or_give_up(failures, f"{self.url}: giving up after {self.retries} retries: {e}")
+
+    def _wait_or_give_up(self, failures: int, message: str) -> None:
+        """Back off before the next try (doubling, at most 10 s), or raise `message` after `retries` failures."""
+        if failures > self.retries:
+            raise ReshardError(message) from None
+        time.sleep(min(self.backoff * 2 ** (failures - 1), 10.0))
+
+    @staticmethod
+    def _check(r: httpx.Response) -> None:
+        """Raise the library error the server named for a 4xx; `_Retryable` for a 5xx."""
+        if r.status_code < 400:
+            return
+        if not r.is_closed:
+            r.read()
+        if r.status_code in _RETRY_STATUS:
+            raise _Retryable(f"HTTP {r.status_code}")
+        try:
+            body = r.json()
+            name, detail = str(body.get("error")), str(body.get("detail"))
+        except (ValueError, AttributeError):
+            name, detail = "", r.text[:300]
+        cls = getattr(errors, name, None)
+        if not (isinstance(cls, type) and issubclass(cls, ReshardError)):
+            cls = NotFoundError if r.status_code == 404 else ReshardError
+        raise cls(f"{r.request.method} {r.request.url}: HTTP {r.status_code} {name}: {detail}")
+
+
+class _BackgroundHash:
+    """Feeds a hashlib object from one worker thread (hashlib releases the GIL on large updates), so
+    hashing overlaps receiving. Pieces are immutable `bytes`, batched to ~4 MiB; at most a few batches
+    are in flight. A no-op when `sha` is None. Leaving the `with` block waits for the last batch."""
+
+    _BATCH = 4 << 20
+
+    def __init__(self, sha: Any) -> None:
+        self.sha, self.active = sha, sha is not None
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="reshard-sha") if self.active else None
+        self._batch: list[bytes] = []
+        self._bytes = 0
+        self._pending: deque[Future[None]] = deque()
+
+    def __enter__(self) -> _BackgroundHash:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._pool is not None:
+            self._flush()
+            self._drain(0)
+            self._pool.shutdown()
+
+    def update(self, piece: bytes) -> None:
+        if self._pool is None:
+            return
+        self._batch.append(piece)
+        self._bytes += len(piece)
+        if self._bytes >= self._BATCH:
+            self._flush()
+            self._drain(3)
+
+    def hexdigest(self) -> str:
+        self._flush()
+        self._drain(0)
+        return self.sha.hexdigest()
+
+    def _flush(self) -> None:
+        if self._batch and self._pool is not None:
+            batch, self._batch, self._bytes = self._batch, [], 0
+            self._pending.append(self._pool.submit(self._hash, batch))
+
+    def _drain(self, keep: int) -> None:
+        while len(self._pending) > keep:
+            self._pending.popleft().result()
+
+    def _hash(self, batch: list[bytes]) -> None:
+        for piece in batch:
+            self.sha.update(piece)
+
+
+def _total(content_range: str | None) -> int | None:
+    m = re.match(r"^bytes \*/(\d+)$", content_range or "")
+    return int(m.group(1)) if m else None
+
+
+def _body_span(r: httpx.Response, pos: int) -> tuple[int, int]:
+    """(bytes to skip at the start of the body, total shard size) for a 200 or 206 answer."""
+    if r.status_code == 206:
+        m = _CONTENT_RANGE.match(r.headers.get("content-range", ""))
+        if m is None or int(m.group(1)) != pos:
+            raise IntegrityError(f"{r.request.url}: asked for bytes {pos}-, got Content-Range {r.headers.get('content-range')!r}")
+        return 0, int(m.group(3))
+    if r.status_code != 200:
+        raise ReshardError(f"{r.request.url}: unexpected HTTP {r.status_code}")
+    return pos, int(r.headers["content-length"])  # the server ignored Range: skip what we have
+
+
+def _read_meta(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None

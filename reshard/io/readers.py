@@ -1,0 +1,276 @@
+"""How a `RankStream` reads its source files: `pread` on a local fd, or ranged GETs from a store.
+
+`open_reader(path, key)` gives a `LocalReader` (the fd also serves kernel copies) or a
+`RemoteReader`. Remote bytes are fetched ahead by a `Prefetcher`: the stream's output is cut into
+windows; for each window the ranges the stream reads are listed (`reshard.plan.reads.piece_reads`, the
+same the local stream preads: a row-split tensor's short rows as row blocks, long rows as they are),
+ranges of one file that touch are merged, and so are ranges a short gap apart while the gaps stay
+within `store_waste` of the bytes read (shortest gaps first, the budget carried from window to window),
+and the ranges are fetched by a shared pool (several requests in flight) while at most `cap` bytes
+are fetched or in flight ahead of the reader. Each GET names the planned ETag: a replaced object
+fails the stream.
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+import threading
+from collections import deque
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+from reshard.errors import SourceChangedError
+from reshard.io.mapped import MAPS
+from reshard.io.stores import is_url, store_for
+from reshard.plan.reads import piece_reads
+from reshard.settings import library_settings
+
+if TYPE_CHECKING:
+    import numpy as np
+
+WINDOW = 8 << 20  # output bytes planned (and fetched) together
+# Bytes fetched ahead of the reader (`store_inflight`) and requests in flight (`store_concurrency`)
+# come from `reshard.settings`. Merging two ranges across a gap saves a request and costs the gap's
+# bytes: the gaps merged (each at most `store_max_gap`) add at most `store_waste` of the bytes a stream
+# reads (its budget carries over from window to window, shortest gaps first); on a store with a high
+# cost per request, raise both (neighbouring tensors then come together).
+
+
+class Reader(Protocol):
+    """One source file of a stream; `fd` is set where the file is local (kernel copies)."""
+
+    fd: int | None
+
+    def pread(self, dst: memoryview, offset: int) -> None: ...
+
+    def pread_runs(self, dst: memoryview, offset: int, run: int, stride: int, count: int) -> None:
+        """The `count` runs of `run` bytes `stride` apart from `offset` into `dst` (the span that
+        covers them); the bytes between runs are unspecified."""
+
+    def gather(self, out: np.ndarray, offset: int, run: int, stride: int, count: int) -> bool:
+        """The same runs straight into `out` (their `reshard.plan.reads.runs_array`) where the reader can (a leased
+        mapping, `reshard.io.mapped`); False: use `pread_runs`."""
+
+    def check(self) -> None:
+        """Raise `SourceChangedError` if the file changed since it was planned."""
+
+    def close(self) -> None: ...
+
+
+class LocalReader:
+    def __init__(self, path: str, key: Sequence[Any]) -> None:
+        self.path, self.key = path, tuple(key)
+        try:
+            self.fd: int | None = os.open(path, os.O_RDONLY)
+        except OSError as e:
+            raise SourceChangedError(f"{e.filename}: cannot open source: {e.strerror}") from None
+        try:
+            st = os.fstat(self.fd)
+            if (st.st_size, st.st_mtime_ns) != self.key:
+                raise SourceChangedError(f"{path}: changed since it was planned (size {st.st_size}, planned {self.key[0]}); re-plan")
+            self.ident = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)  # the file as opened
+        except BaseException:
+            self.close()
+            raise
+
+    def pread(self, dst: memoryview, offset: int) -> None:
+        assert self.fd is not None
+        got = 0
+        while got < len(dst):
+            n = os.preadv(self.fd, [dst[got:]], offset + got)
+            if n <= 0:
+                raise SourceChangedError(f"{self.path}: ended at byte {offset + got}, before the planned data; re-plan")
+            got += n
+
+    def pread_runs(self, dst: memoryview, offset: int, run: int, stride: int, count: int) -> None:
+        self.pread(dst, offset)  # one read of the span: the page cache makes the gaps cheap
+
+    def gather(self, out: np.ndarray, offset: int, run: int, stride: int, count: int) -> bool:
+        assert self.fd is not None
+        return MAPS.gather(self.fd, self.ident, out, offset, run, stride, count)
+
+    def check(self) -> None:
+        assert self.fd is not None
+        st = os.fstat(self.fd)
+        if (st.st_size, st.st_mtime_ns) != self.key:
+            raise SourceChangedError(f"{self.path}: changed while being read; re-plan and retry")
+
+    def close(self) -> None:
+        fd, self.fd = self.fd, None
+        if fd is not None:
+            os.close(fd)
+
+
+class RemoteReader:
+    """An object in a store, read through the stream's `Prefetcher` (direct GETs for anything it
+    did not fetch ahead)."""
+
+    fd = None
+
+    def __init__(self, path: str, key: Sequence[Any]) -> None:
+        self.path = path
+        self.size, self.version = int(key[0]), str(key[1])
+        self.store, self.key = store_for(path)
+        self.prefetcher: Prefetcher | None = None
+
+    def fetch(self, start: int, end: int) -> memoryview:
+        data, _ = self.store.get(self.key, start, end, version=self.version)
+        if len(data) != end - start:
+            raise SourceChangedError(f"{self.path}: {len(data)} bytes at {start}, planned {end - start}; re-plan")
+        return data
+
+    def pread(self, dst: memoryview, offset: int) -> None:
+        if self.prefetcher is None or not self.prefetcher.copy(self.path, offset, dst):
+            dst[:] = self.fetch(offset, offset + len(dst))
+
+    def pread_runs(self, dst: memoryview, offset: int, run: int, stride: int, count: int) -> None:
+        if self.prefetcher is not None and self.prefetcher.copy(self.path, offset, dst):
+            return  # the span was fetched ahead as one row block
+        for i in range(count):
+            self.pread(dst[i * stride : i * stride + run], offset + i * stride)
+
+    def gather(self, out: np.ndarray, offset: int, run: int, stride: int, count: int) -> bool:
+        return False
+
+    def check(self) -> None:
+        pass  # every GET is conditional on the planned ETag
+
+    def close(self) -> None:
+        pass
+
+
+def open_reader(path: str, key: Sequence[Any]) -> Reader:
+    return RemoteReader(path, key) if is_url(path) else LocalReader(path, key)
+
+
+# --- prefetching -----------------------------------------------------------------------------------
+
+
+def coalesce(runs: list[tuple[str, int, int]], budget: int, max_gap: int) -> tuple[list[tuple[str, int, int]], int]:
+    """Merge runs of one file that touch or overlap; then close the shortest gaps (at most `max_gap`
+    each) while their bytes fit `budget`. Returns the ranges and the budget left."""
+    ranges: list[list[Any]] = []
+    for f, off, n in sorted(runs):
+        if ranges and ranges[-1][0] == f and off <= ranges[-1][1] + ranges[-1][2]:
+            ranges[-1][2] = max(ranges[-1][2], off + n - ranges[-1][1])
+        else:
+            ranges.append([f, off, n])
+    gaps = sorted((b[1] - a[1] - a[2], i) for i, (a, b) in enumerate(zip(ranges, ranges[1:]))
+                  if a[0] == b[0] and b[1] - a[1] - a[2] <= max_gap)
+    close = set()
+    for gap, i in gaps:
+        if gap > budget:
+            break
+        budget -= gap
+        close.add(i)
+    out: list[tuple[str, int, int]] = []
+    for i, (f, off, n) in enumerate(ranges):
+        if i - 1 in close:
+            pf, po, _ = out[-1]
+            out[-1] = (pf, po, off + n - po)
+        else:
+            out.append((f, off, n))
+    return out, budget
+
+
+_POOL: ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def _pool() -> ThreadPoolExecutor:
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = ThreadPoolExecutor(library_settings().store_concurrency, thread_name_prefix="reshard-fetch")
+        return _POOL
+
+
+@dataclass
+class _Window:
+    start: int
+    end: int
+    nbytes: int
+    ranges: dict[str, list[tuple[int, int, Future[memoryview]]]] = field(default_factory=dict)
+
+
+class Prefetcher:
+    """Fetches ahead the source ranges of a stream's next windows; `copy` serves reads from them."""
+
+    def __init__(self, starts: list[int], pieces: list[Any], size: int, readers: dict[str, RemoteReader], *,
+                 window: int | None = None, cap: int | None = None) -> None:
+        self.starts, self.pieces, self.size, self.readers = starts, pieces, size, readers
+        settings = library_settings()
+        self.window, self.cap = window or WINDOW, cap or settings.store_inflight
+        self.max_gap, self.waste = settings.store_max_gap, settings.store_waste
+        self.windows: deque[_Window] = deque()
+        self.next = 0  # output offset the next window starts at
+        self.buffered = 0
+        self.spare = 0  # gap bytes the stream may still fetch to save requests
+        for r in readers.values():
+            r.prefetcher = self
+
+    def ensure(self, lo: int, hi: int) -> None:
+        """Before the stream reads bytes [lo, hi): drop windows behind, plan and fetch ahead."""
+        if not self.windows or lo < self.windows[0].start or lo > self.next:
+            self.cancel()
+            self.next = lo
+        while self.windows and self.windows[0].end <= lo:
+            self._drop(self.windows.popleft())
+        while self.next < self.size and (self.next < hi or self.buffered < self.cap):
+            self._plan(self.next, min(self.next + self.window, self.size))
+
+    def _plan(self, lo: int, hi: int) -> None:
+        runs: list[tuple[str, int, int]] = []
+        i = bisect.bisect_right(self.starts, lo) - 1
+        while i < len(self.pieces) and self.starts[i] < hi:
+            piece, base = self.pieces[i], self.starts[i]
+            if not isinstance(piece, bytes):
+                reads = piece_reads(piece, max(lo - base, 0), min(hi - base, piece.nbytes))
+                runs.extend((rd.file, rd.offset, rd.span) for rd in reads if rd.file in self.readers)
+            i += 1
+        w = _Window(lo, hi, 0)
+        ranges, self.spare = coalesce(runs, self.spare + int(self.waste * sum(n for _, _, n in runs)), self.max_gap)
+        for f, off, n in ranges:
+            reader = self.readers[f]
+            w.ranges.setdefault(f, []).append((off, off + n, _pool().submit(reader.fetch, off, off + n)))
+            w.nbytes += n
+        self.windows.append(w)
+        self.buffered += w.nbytes
+        self.next = hi
+
+    def copy(self, path: str, offset: int, dst: memoryview) -> bool:
+        """Fill dst with bytes [offset, offset+len(dst)) of `path` from fetched ranges; False if
+        some byte was not fetched ahead (the caller reads it directly)."""
+        pos, end = offset, offset + len(dst)
+        while pos < end:
+            hit = self._find(path, pos)
+            if hit is None:
+                return False
+            a, b, fut = hit
+            n = min(b, end) - pos
+            dst[pos - offset : pos - offset + n] = fut.result()[pos - a : pos - a + n]
+            pos += n
+        return True
+
+    def _find(self, path: str, pos: int) -> tuple[int, int, Future[memoryview]] | None:
+        for w in self.windows:
+            ranges = w.ranges.get(path)
+            if not ranges:
+                continue
+            j = bisect.bisect_right(ranges, (pos, float("inf"))) - 1
+            if j >= 0 and ranges[j][0] <= pos < ranges[j][1]:
+                return ranges[j]
+        return None
+
+    def _drop(self, w: _Window) -> None:
+        self.buffered -= w.nbytes
+        for ranges in w.ranges.values():
+            for _, _, fut in ranges:
+                fut.cancel()
+
+    def cancel(self) -> None:
+        while self.windows:
+            self._drop(self.windows.popleft())

@@ -1,0 +1,262 @@
+"""Fast rank planning for checkpoints of many tensors that share shape, dtype and rule (MoE experts).
+
+`RankPlanner(tensors, files, rules, tp).plan(rank)` returns exactly what planning each tensor on its
+own gives (`reshard.plan.segments.segments_for`, `OutTensor.describe`, `layout`), byte for byte, but does the
+work once per *layout group*: tensors stored whole in one file, with the same rule (and name
+suffix), shape and dtype get the same selection, the same output shape and description, and the same
+source byte runs shifted by where the tensor starts in its file. Per tensor and rank what is left is
+building its `OutTensor` and `Segment`s and its header entry.
+
+The header is assembled from per-group JSON fragments instead of `json.dumps` of the whole dict; the
+fragments are made by `json.dumps` with the same options, so the bytes are the same (a test compares
+with the per-tensor planner's output on a large synthetic checkpoint).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from array import array
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from itertools import accumulate
+from json.encoder import encode_basestring_ascii as _json_str  # type: ignore[attr-defined]
+from operator import attrgetter
+from typing import Any
+
+from reshard.errors import PlanError
+from reshard.format.checkpoint import DTYPE_SIZES, GlobalTensor, Source
+from reshard.format.selection import full_selection, selection_shape
+from reshard.gcpause import paused_gc
+from reshard.plan.reads import bytes_read
+from reshard.plan.segments import segments_for, tensor_selection
+from reshard.plan.tensors import PlannedTensors, _Layout, _Lazy
+from reshard.plan.types import FORMAT, OutTensor, Plan, RankPlan, check_tp, source_files
+from reshard.rules.manifest import Manifest, Rule
+
+__all__ = ["LazyRanks", "RankPlanner", "make_plan", "make_planner", "plan_rank", "resolve_rules"]
+
+_COMPACT = (",", ":")
+
+
+class RankPlanner:
+    """Plans every rank of `tp` for one set of tensors and rules: tensors are sorted into layout
+    groups once; each rank then computes one layout per group and, per tensor, its offsets and header
+    entry with list comprehensions."""
+
+    def __init__(self, tensors: dict[str, GlobalTensor], files: dict[str, tuple[int, int]],
+                 rules: dict[str, Rule], tp: int) -> None:
+        check_tp(tp)
+        self.tensors, self.files, self.rules, self.tp = tensors, files, rules, tp
+        infos = getattr(tensors, "infos", None)  # format.WholeTensors: every tensor is one whole piece
+        if infos is not None:
+            # grouped by (rule, name suffix, shape, dtype), read from the TensorInfos (no GlobalTensor made)
+            keys = list(zip(map(id, map(rules.__getitem__, infos)), [n[n.rfind(".") :] if "." in n else "" for n in infos],
+                            map(attrgetter("shape"), infos.values()), map(attrgetter("dtype"), infos.values())))
+            meta, loc = infos, infos  # each tensor's dtype and shape; where it starts
+        else:  # the same for tensors stored whole in one file; others are planned alone
+            full = {shape: full_selection(shape) for shape in {gt.shape for gt in tensors.values()}}
+            keys = [(id(rules[n]), n[n.rfind(".") :] if "." in n else "", gt.shape, gt.dtype)
+                    if len(gt.pieces) == 1 and (gt.pieces[0].select is full[gt.shape] or gt.pieces[0].select == full[gt.shape])
+                    else n for n, gt in tensors.items()]
+            meta, loc = tensors, {n: gt.pieces[0].info for n, gt in tensors.items()}
+        gid_of = {key: gid for gid, key in enumerate(dict.fromkeys(keys))}  # numbered in source order
+        src = list(tensors)
+        src_gids = list(map(gid_of.__getitem__, keys))
+        del keys
+        first_of = dict(zip(reversed(src_gids), reversed(src)))
+        self.firsts: list[str] = [first_of[gid] for gid in range(len(gid_of))]  # the first tensor (in source order) of each group
+        names = sorted(src)  # the metadata's key order (json sort_keys)
+        in_order = names == src  # (a Checkpoint's tensors are)
+        name_gids = src_gids if in_order else list(map(dict(zip(src, src_gids)).__getitem__, names))
+        ordered = names  # file order: largest item size first, then name (data_order)
+        if len({DTYPE_SIZES[t.dtype] for t in meta.values()}) > 1:
+            by_size: dict[int, list[str]] = {}
+            for n in names:
+                by_size.setdefault(DTYPE_SIZES[meta[n].dtype], []).append(n)
+            ordered = [n for size in sorted(by_size, reverse=True) for n in by_size[size]]
+        if in_order and ordered is names:
+            self.order = list(meta.items())  # (name, its dtype and shape)
+            self.where = _places(loc.values())
+            self.gids = name_gids
+        else:
+            self.order = list(zip(ordered, map(meta.__getitem__, ordered)))
+            self.where = _places(map(loc.__getitem__, ordered))
+            self.gids = name_gids if ordered is names else list(map(dict(zip(names, name_gids)).__getitem__, ordered))
+        self._sorted_gids = name_gids
+        self._counts: Counter[int] | None = None
+        # '"name":' in file order, and in name order escaped as the content of a JSON string (the
+        # metadata's "tensors" value), each with a comma before it but the first
+        if len(_json_str("".join(names))) == 2 + sum(map(len, names)):  # no name needs escaping
+            self._quoted = _first_bare([f',"{n}":' for n in ordered])
+            self._sorted_quoted = _first_bare([f',\\"{n}\\":' for n in names])
+        else:
+            quoted = {n: _json_str(n) + ":" for n in names}
+            self._quoted = _first_bare(["," + quoted[n] for n in ordered])
+            self._sorted_quoted = _first_bare(["," + _json_str(q)[1:-1] for q in quoted.values()])
+        self._layouts: dict[int, list[_Layout]] = {}
+        self._entries: tuple[Any, array[int], str] | None = None  # the last rank's header entries
+
+    def group_counts(self) -> Counter[int]:
+        """How many tensors each group has."""
+        if self._counts is None:
+            self._counts = Counter(self.gids)
+        return self._counts
+
+    def layouts(self, rank: int) -> list[_Layout]:
+        """Each group's layout on `rank` (all a bad rule or shape can fail on), made once per rank."""
+        hit = self._layouts.get(rank)
+        if hit is None:
+            check_tp(self.tp, rank)
+            # in source order, so the first bad tensor is the one an error names
+            hit = self._layouts[rank] = [self._layout(name, self.tensors[name], rank) for name in self.firsts]
+        return hit
+
+    def plan(self, rank: int) -> RankPlan:
+        layouts = self.layouts(rank)
+        sizes, heads = [g.nbytes for g in layouts], [g.entry for g in layouts]
+        same = self._entries if self._entries is not None and self._entries[0] == (sizes, heads) else None
+        if same is not None:  # even splits: every rank has the same shapes and offsets, only selections differ
+            ends, entries = same[1], same[2]
+        else:
+            ends = array("q", accumulate(map(sizes.__getitem__, self.gids)))
+            stops = list(map(str, ends))  # a tensor begins where the one before it ends
+            n = len(stops)
+            entries = "".join(_rows(self._quoted, list(map(heads.__getitem__, self.gids)), ["0", *stops[:-1]][:n],
+                                    [","] * n, stops, ["]}"] * n))
+            self._entries = ((sizes, heads), ends, entries)
+        # JSON string escaping is done character by character, so the escaped "tensors" value is the
+        # escaped fragments joined: names once (in __init__), descriptions once per group
+        describe = [_json_str(g.describe)[1:-1] for g in layouts]
+        meta = {"format": FORMAT, "tp": str(self.tp), "rank": str(rank), "tensors": ""}
+        head = json.dumps({"__metadata__": meta}, separators=_COMPACT)[:-3]  # up to the opening quote of ""
+        parts = _rows(self._sorted_quoted, list(map(describe.__getitem__, self._sorted_gids)))
+        parts[:0] = [head, "{"]
+        parts += ['}"}', "," if entries else "", entries, "}"]
+        size = sum(map(len, parts))
+        parts.append(" " * (-size % 8))
+        # all ASCII (json escapes the rest), so latin-1 gives the same bytes as utf-8; with the length
+        # prefix as its 8 characters, the header is one join and one encode
+        parts.insert(0, (size + -size % 8).to_bytes(8, "little").decode("latin-1"))
+        header = "".join(parts).encode("latin-1")
+        del parts
+        return RankPlan(rank, self.tp, PlannedTensors(self, layouts, ends), header, self.files)  # type: ignore[arg-type]
+
+    def _layout(self, name: str, gt: GlobalTensor, rank: int) -> _Layout:
+        rule = self.rules[name]
+        sel = tensor_selection(name, gt.shape, rule, rank, self.tp)
+        shape = selection_shape(sel)
+        probe = OutTensor(name, gt.dtype, shape, gt.shape, rule.kind, dict(rule.options), sel, ())
+        nbytes = math.prod(shape) * DTYPE_SIZES[gt.dtype]
+        segments = segments_for(gt, sel)
+        assert nbytes == sum(s.nbytes for s in segments), name
+        read = sum(bytes_read(s) for s in segments)
+        entry = json.dumps({"dtype": gt.dtype, "shape": list(shape)}, separators=_COMPACT)[:-1]
+        info = gt.pieces[0].info
+        return _Layout(sel, shape, nbytes, read, probe.replicated, segments, str(info.file), info.start,
+                       json.dumps(probe.describe(), separators=_COMPACT, sort_keys=True),
+                       entry + ',"data_offsets":[')
+
+
+def _places(infos: Iterable[Any]) -> list[tuple[str, int]]:
+    """(file as a string, start) of each TensorInfo; a file's tensors usually share its path object,
+    so each is made a string once."""
+    infos = list(infos)
+    files = list(map(attrgetter("file"), infos))
+    ids = list(map(id, files))
+    paths = {i: str(f) for i, f in dict(zip(ids, files)).items()}
+    return list(zip(map(paths.__getitem__, ids), map(attrgetter("start"), infos)))
+
+
+def _first_bare(items: list[str]) -> list[str]:
+    """Comma-led `items` with the first comma dropped: joined, they are `",".join` of the bare ones."""
+    if items:
+        items[0] = items[0][1:]
+    return items
+
+
+def _rows(*columns: list[str]) -> list[str]:
+    """The columns' strings row by row: joined, `"".join(a + b + ... for a, b, ... in zip(*columns))`
+    without a string per row."""
+    width = len(columns)
+    parts = [""] * (width * len(columns[0]))
+    for j, column in enumerate(columns):
+        parts[j::width] = column
+    return parts
+
+
+class LazyRanks(_Lazy[RankPlan]):
+    """`Plan.ranks` for a caller that visits each rank once (`reshard plan`'s summary): a rank is
+    planned when it is read and not kept, so only one rank's header is in memory at a time."""
+
+    def __init__(self, planner: RankPlanner, ranks: Sequence[int]) -> None:
+        self._planner, self._ranks = planner, list(ranks)
+        for r in self._ranks:  # every error now, before a caller prints anything
+            planner.layouts(r)
+
+    def __len__(self) -> int:
+        return len(self._ranks)
+
+    def _item(self, i: int) -> RankPlan:
+        with paused_gc():
+            return self._planner.plan(self._ranks[i])
+
+
+_REPLICATE = Rule("*", "replicate")
+
+
+def resolve_rules(ckpt_tensors: Sequence[str], manifest: Manifest, *, strict: bool = False) -> tuple[dict[str, Rule], list[str]]:
+    """Each tensor's rule (default replicate) and warnings for rules that match nothing."""
+    matched = manifest.match_all(ckpt_tensors)
+    chosen: dict[str, Rule] = dict(zip(ckpt_tensors, matched))  # type: ignore[arg-type]
+    unmatched = [name for name, rule in chosen.items() if rule is None]
+    for name in unmatched:
+        chosen[name] = _REPLICATE
+    if unmatched and manifest.strict:
+        raise PlanError(
+            f"{len(unmatched)} tensors match no rule and the manifest is strict, e.g. {unmatched[0]!r}; "
+            "add a rule (kind replicate for norms) or drop `strict`"
+        )
+    used = set(map(id, chosen.values()))
+    unused = [f"rule {r.pattern!r} ({r.kind}) matches no tensor" for r in manifest.rules if id(r) not in used]
+    if unused and strict:
+        raise PlanError(f"{unused[0]}; {len(unused)} such rules under --strict")
+    return chosen, unused
+
+
+def plan_rank(
+    tensors: dict[str, GlobalTensor], files: dict[str, tuple[int, int | str]], rules: dict[str, Rule], tp: int, rank: int
+) -> RankPlan:
+    """One rank's plan; `tensors` from the source, `files` from `source_files`, `rules` from `resolve_rules`."""
+    from reshard.plan.planner import RankPlanner  # it builds on this module's types
+
+    return RankPlanner(tensors, files, rules, tp).plan(rank)
+
+
+def make_planner(ckpt: Source, manifest: Manifest, tp: int, *, strict: bool = False) -> tuple[RankPlanner, Plan]:
+    """The planner of every rank of `tp` (its tensor groups made once) and the plan it belongs to,
+    with no rank planned yet (`Plan.ranks` empty): for a caller that plans ranks as they are asked for."""
+    check_tp(tp)
+    with paused_gc():
+        tensors, files = ckpt.global_tensors(), source_files(ckpt)
+        rules, warnings = resolve_rules(list(tensors), manifest, strict=strict)
+        planner = RankPlanner(tensors, files, rules, tp)
+    identity = {"source": ckpt.identity(), "manifest": manifest.digest(), "tp": tp, "format": FORMAT}
+    return planner, Plan(tp, (), manifest, identity, tuple(warnings))
+
+
+def make_plan(
+    ckpt: Source, manifest: Manifest, tp: int, *, ranks: Sequence[int] | None = None, strict: bool = False,
+    lazy: bool = False,
+) -> Plan:
+    """Plan `ranks` (default all) of `tp`; pure: reads no tensor data. With `lazy`, each rank is planned
+    when `plan.ranks[i]` is read, and not kept (for one pass over the ranks with little memory)."""
+    check_tp(tp)
+    for r in ranks or ():
+        check_tp(tp, r)
+    planner, plan = make_planner(ckpt, manifest, tp, strict=strict)
+    wanted = ranks if ranks is not None else range(tp)
+    with paused_gc():
+        rank_plans: Sequence[RankPlan] = LazyRanks(planner, wanted) if lazy else tuple(planner.plan(r) for r in wanted)
+    return dataclasses.replace(plan, ranks=rank_plans)

@@ -1,0 +1,151 @@
+"""The pure plan: (checkpoint headers, manifest, tp) -> what every rank file contains, byte for byte.
+
+No tensor data is read. For each rank the plan lists every output tensor (name, dtype, shape, the
+global tensor and selection it comes from, the source byte runs that make it up) and the exact
+safetensors header, so the file size and every offset are known before the first byte is produced.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+from reshard.errors import PlanError
+from reshard.format.checkpoint import DTYPE_SIZES, Source
+from reshard.format.selection import Selection, full_selection
+from reshard.plan.reads import Extent, bytes_read
+from reshard.rules.manifest import Manifest
+
+MAX_TP = 4096
+FORMAT = "reshard.rank/1"
+
+
+@dataclass(frozen=True)
+class OutTensor:
+    """One tensor of a rank file: its bytes are `segments` in order, at data offsets [begin, end)."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    global_shape: tuple[int, ...]
+    kind: str
+    options: dict[str, Any]
+    selection: Selection
+    segments: tuple[Extent, ...]
+    begin: int = 0
+    end: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+    @property
+    def replicated(self) -> bool:
+        return self.selection == full_selection(self.global_shape)
+
+    def describe(self) -> dict[str, Any]:
+        """The self-description stored in the rank file's metadata."""
+        out: dict[str, Any] = {"kind": self.kind, "shape": list(self.global_shape),
+                               "select": [[list(iv) for iv in dim] for dim in self.selection]}
+        if self.options:
+            out["options"] = self.options
+        return out
+
+
+@runtime_checkable
+class Summarized(Protocol):
+    """Tensors that know their totals without building each one (`plan.tensors.PlannedTensors`)."""
+
+    @property
+    def end(self) -> int:
+        """End of the data region."""
+
+    def stats(self) -> tuple[int, int]:
+        """(replicated bytes, bytes read from sources)."""
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """Everything rank `rank` of `tp` receives; `header` is the exact safetensors header bytes."""
+
+    rank: int
+    tp: int
+    tensors: tuple[OutTensor, ...]
+    header: bytes
+    files: dict[str, tuple[int, int | str]] = field(default_factory=dict)  # source -> (size, mtime_ns or ETag)
+
+    @property
+    def size(self) -> int:
+        if isinstance(self.tensors, Summarized):
+            return len(self.header) + self.tensors.end
+        return len(self.header) + (self.tensors[-1].end if self.tensors else 0)
+
+    def stats(self) -> dict[str, int]:
+        if isinstance(self.tensors, Summarized):
+            replicated, read = self.tensors.stats()
+        else:
+            replicated = sum(t.nbytes for t in self.tensors if t.replicated)
+            read = sum(bytes_read(s) for t in self.tensors for s in t.segments)
+        return {"tensors": len(self.tensors), "bytes": self.size, "replicated_bytes": replicated, "bytes_read": read}
+
+
+def rank_file_name(rank: int, tp: int) -> str:
+    return f"rank-{rank:05d}-of-{tp:05d}.safetensors"
+
+
+def check_tp(tp: Any, rank: Any = None) -> None:
+    if type(tp) is not int or not 1 <= tp <= MAX_TP:
+        raise PlanError(f"tp={tp!r} must be an integer from 1 to {MAX_TP}")
+    if rank is not None and (type(rank) is not int or not 0 <= rank < tp):
+        raise PlanError(f"rank={rank!r} is out of range for tp={tp} (0..{tp - 1})")
+
+
+def rank_metadata(tp: int, rank: int, tensors: dict[str, dict[str, Any]]) -> dict[str, str]:
+    """A rank file's `__metadata__`: format, tp, rank and every tensor's self-description."""
+    describe = json.dumps(tensors, separators=(",", ":"), sort_keys=True)
+    return {"format": FORMAT, "tp": str(tp), "rank": str(rank), "tensors": describe}
+
+
+def data_order(name: str, dtype: str) -> tuple[int, str]:
+    """Tensor order in a file: largest item size first, then name (as safetensors does)."""
+    return (-DTYPE_SIZES[dtype], name)
+
+
+def source_files(ckpt: Source) -> dict[str, tuple[int, int | str]]:
+    return {str(f.path): f.stat_key() for f in ckpt.files}
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Every rank's plan plus what identifies it (source files, manifest, tp)."""
+
+    tp: int
+    ranks: tuple[RankPlan, ...]
+    manifest: Manifest
+    identity: dict[str, Any]
+    warnings: tuple[str, ...] = ()
+
+    @property
+    def digest(self) -> str:
+        blob = json.dumps(self.identity, sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def plan_to_json(plan: Plan, *, tensors: bool = True) -> dict[str, Any]:
+    """A JSON-able view of a plan (what `reshard plan --json` prints and the service returns)."""
+    ranks = []
+    for rp in plan.ranks:
+        entry: dict[str, Any] = {"rank": rp.rank, "file": rank_file_name(rp.rank, rp.tp), **rp.stats(),
+                                 "header_bytes": len(rp.header)}
+        if tensors:
+            entry["tensors"] = [
+                {"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "kind": t.kind,
+                 "global_shape": list(t.global_shape), "data_offsets": [t.begin, t.end],
+                 "select": [[list(iv) for iv in dim] for dim in t.selection]}
+                for t in rp.tensors
+            ]
+        ranks.append(entry)
+    return {"tp": plan.tp, "plan": plan.digest, "manifest_source": plan.manifest.source,
+            "warnings": list(plan.warnings), "ranks": ranks}

@@ -1,0 +1,1 @@
+"""What each tensor's kind is: manifests, the kind (loader) registry, and manifests derived from config.json."""

@@ -1,0 +1,75 @@
+"""Rules for a quantized checkpoint, derived from config.json's `quantization_config` and tensor names.
+
+`quantized_rules(rules, config, names)` is the hook the manifest calls: for a quantized checkpoint
+every rule that matches a quantized weight (an `X.weight` with an `X.weight_scale_inv` or
+`X.weight_scale` beside it) gets a quantized twin, placed before it, that matches exactly those
+weights and their companions (`X.weight_scale_inv`, `X.weight_scale`, `X.input_scale`): so a scale is
+planned by its weight's rule, with its weight's kind, whatever the rule's pattern says about scales.
+Unquantized tensors (norms, embeddings, `modules_to_not_convert`, `ignore`) keep the original rule;
+quantized weights no rule matches get `replicate_fp8` (full weight, full scale).
+
+A rules file can say the same explicitly: a kind `column_fp8` (etc.) with `block: [128, 128]` on a
+pattern that matches the weight and its scales (`model.layers.*.self_attn.q_proj.*`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from reshard.rules.manifest import Rule
+from reshard.rules.quant.kinds import quantized_kind
+from reshard.rules.quant.scheme import SCALE_SUFFIXES, Scheme, scheme_from_config, weight_of
+
+
+@dataclass(frozen=True)
+class FollowRule(Rule):
+    """A rule's quantized twin: matches the quantized weights `weights` the rule matches, and their companions."""
+
+    weights: frozenset[str] = field(default_factory=frozenset)
+
+    def matches(self, name: str) -> bool:
+        weight = name if name in self.weights else weight_of(name)
+        return weight is not None and weight in self.weights and super().matches(weight)
+
+
+def quantized_weights(names: Iterable[str]) -> frozenset[str]:
+    """The `X.weight` names that have a scale tensor beside them."""
+    names = set(names)
+    return frozenset(
+        n[: -len(suffix)] + ".weight" for n in names for suffix in SCALE_SUFFIXES
+        if n.endswith(suffix) and n[: -len(suffix)] + ".weight" in names
+    )
+
+
+def twin(rule: Rule, scheme: Scheme, weights: frozenset[str]) -> FollowRule:
+    """The quantized twin of `rule`: its kind's `_fp8` variant, its options plus the scheme's `block`."""
+    return FollowRule(rule.pattern, quantized_kind(rule.kind), {**rule.options, **scheme.options()},
+                      rule.regex, weights)
+
+
+def quantized_rules(rules: list[Rule], config: dict[str, Any] | None, names: Iterable[str]) -> list[Rule]:
+    """`rules` for the checkpoint `config` describes: unchanged unless it is quantized (see the module)."""
+    scheme = scheme_from_config(config)
+    names = list(names)
+    weights = quantized_weights(names) if scheme else frozenset()
+    if not weights:
+        return rules
+    first: dict[int, set[str]] = {}  # rule index -> the quantized weights it is the first match of
+    rest = set()
+    for w in weights:
+        i = next((i for i, rule in enumerate(rules) if rule.matches(w)), None)
+        (rest if i is None else first.setdefault(i, set())).add(w)
+    plain = [n for n in names if n not in weights and weight_of(n) not in weights]
+    out: list[Rule] = []
+    for i, rule in enumerate(rules):
+        mine = frozenset(first.get(i, ()))
+        explicit = rule.kind.endswith("_fp8")
+        if mine and not explicit:
+            out.append(twin(rule, scheme, mine))
+        if explicit or not mine or any(rule.matches(n) for n in plain):  # the rule still serves others (biases)
+            out.append(rule)
+    if rest:
+        out.append(twin(Rule("*", "replicate"), scheme, frozenset(rest)))
+    return out

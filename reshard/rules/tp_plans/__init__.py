@@ -1,0 +1,67 @@
+"""TP plans by model_type: read from the installed transformers, else from a table shipped here.
+
+`resolve_plan(config)` returns the plan entry for a config.json and a line naming where it came from,
+in this order: `base_model_tp_plan` inside config.json (the architecture's entry gives prefix and
+conversion mapping); the plan transformers declares for `model_type` (installed); the shipped table
+`table.json`, generated from transformers by `scripts/gen_plan_table.py` (it records the version).
+Rules files (`--rules`, `reshard-rules.*`) come before all of these, in `reshard.rules.manifest`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import lru_cache
+from typing import Any
+
+from reshard.errors import ManifestError
+from reshard.rules.tp_plans import mla as _mla  # noqa: F401  (registers the optional MLA-by-heads config rules)
+from reshard.rules.tp_plans.entry import PlanEntry, load_table, table_entry, table_version
+from reshard.rules.tp_plans.live import live_entry, transformers_version
+from reshard.settings import library_settings
+
+__all__ = ["PlanEntry", "resolve_plan", "entry_for", "table_entry", "live_entry", "load_table"]
+
+# `reshard.settings` plan_source: "table" ignores an installed transformers; "live" always reads it (by
+# default it is read only when its version differs from the table's: the same version's plans are the
+# table, byte for byte, as tests/plans checks, and reading them costs seconds of imports)
+SOURCE_ENV = "RESHARD_PLAN_SOURCE"
+
+
+@lru_cache(maxsize=256)
+def _live(model_type: str) -> PlanEntry | None:
+    return live_entry(model_type)
+
+
+def entry_for(model_type: str) -> tuple[PlanEntry | None, str]:
+    """The plan entry for `model_type` and its source line (live transformers first, then the table)."""
+    mode, installed = library_settings().plan_source, transformers_version()
+    if mode not in ("auto", "live", "table"):
+        raise ManifestError(f"{SOURCE_ENV}={mode!r}: expected auto, live or table")
+    if mode != "table" and installed is not None:
+        if mode == "auto" and installed == table_version() and table_entry(model_type) is not None:
+            return table_entry(model_type), (f"transformers {installed} plan for model_type {model_type!r} "
+                                              f"(the shipped table of that version)")
+        entry = _live(model_type)
+        if entry is not None:
+            return entry, f"transformers {installed} plan for model_type {model_type!r}"
+    entry = table_entry(model_type)
+    return entry, f"shipped plan table (transformers {table_version()}) for model_type {model_type!r}"
+
+
+def resolve_plan(config: dict[str, Any]) -> tuple[PlanEntry, str]:
+    """The plan entry for a config.json, and which source it came from (see the module docstring)."""
+    model_type = config.get("model_type")
+    entry, source = entry_for(model_type) if isinstance(model_type, str) else (None, "")
+    own = config.get("base_model_tp_plan")
+    if isinstance(own, dict) and own:
+        base = entry or PlanEntry(model_type=str(model_type), base_plan={}, lm_plan={"lm_head": "colwise_gather_output"})
+        return dataclasses.replace(base, base_plan=dict(own)), "config.json base_model_tp_plan"
+    if entry is None:
+        where = f"transformers {transformers_version()}" if transformers_version() else "no transformers installed"
+        raise ManifestError(
+            f"config.json: model_type {model_type!r} has no TP plan anywhere (no base_model_tp_plan in config.json, "
+            f"none in {where}, none in the shipped table of {len(load_table()['plans'])} architectures from "
+            f"transformers {table_version()}); write a rules file: put reshard-rules.yaml in the checkpoint "
+            f"directory or pass --rules FILE (see README, 'The manifest')"
+        )
+    return entry, source

@@ -1,0 +1,307 @@
+"""The checkpoints under the root: safe names and paths, parsed headers and plans cached by stat identity.
+
+Nothing outside the root is read or written: names are validated before they touch the file system,
+and every directory and file is resolved (symlinks followed) and must stay under the root's real
+path. A request re-stats the checkpoint directory (one `scandir`) but re-parses headers only when a
+file's name, size, mtime or inode changed. Manifests stored with `PUT .../rules` live in
+ROOT/.reshard/rules/NAME/LABEL.json, a directory no checkpoint name can reach.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import stat
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Generic, TypeVar
+
+from cachetools import LRUCache
+
+from reshard.errors import ManifestError, NotFoundError, PlanError, RegistryError, ReshardError
+from reshard.format.checkpoint import CONFIG_NAME, INDEX_NAME, Checkpoint
+from reshard.gcpause import paused_gc
+from reshard.io.outfs import write_json_atomic
+from reshard.io.sources import checkpoint_manifest
+from reshard.plan.planner import RankPlanner, make_plan, make_planner, resolve_rules
+from reshard.plan.types import Plan, RankPlan
+from reshard.rules.manifest import Manifest
+from reshard.service.errors import BadRequest
+from reshard.service.settings import Settings
+
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+DEFAULT_LABEL = "default"
+_WATCHED = (".safetensors", ".json", ".yaml", ".yml")
+
+K = TypeVar("K")
+V = TypeVar("V")
+StatKey = tuple[tuple[str, int, int, int], ...]
+
+
+class LRU(Generic[K, V]):
+    """cachetools' `LRUCache` behind a lock (it is not thread-safe; the catalog is read from worker threads)."""
+
+    def __init__(self, maxsize: int) -> None:
+        self.maxsize = maxsize
+        self._data: LRUCache[K, V] = LRUCache(maxsize)
+        self._lock = threading.Lock()
+
+    def get(self, key: K) -> V | None:
+        with self._lock:
+            return self._data.get(key)
+
+    def put(self, key: K, value: V) -> None:
+        with self._lock:
+            self._data[key] = value
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+
+def valid_name(name: str) -> bool:
+    """A checkpoint name or manifest label: `^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$`, no `..`."""
+    return bool(NAME_RE.fullmatch(name)) and ".." not in name
+
+
+def check_name(name: str, *, what: str = "checkpoint name") -> str:
+    """`name` if `valid_name`, else 400 with what is allowed."""
+    if not isinstance(name, str) or not valid_name(name):
+        raise BadRequest(
+            f"{what} {name!r} is not allowed: use 1-128 letters, digits, '.', '_', '-', "
+            "starting with a letter or digit, without '..' or path separators"
+        )
+    return name
+
+
+def is_within(path: Path, root: Path) -> bool:
+    return path == root or root in path.parents
+
+
+@dataclass(frozen=True)
+class ServedCheckpoint:
+    """A parsed checkpoint and the manifest a request asked for."""
+
+    name: str
+    ckpt: Checkpoint
+    manifest: Manifest
+    key: StatKey
+
+
+@dataclass
+class _Entry:
+    ckpt: Checkpoint
+    manifest: Manifest | None = None
+    manifest_error: ReshardError | None = None
+    resolved: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class Catalog:
+    """Lookup of checkpoints, manifests and rank plans; lives on `app.state.catalog`."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.root = Path(os.path.realpath(settings.root))
+        self.rules_dir = settings.state_dir / "rules"
+        self._ckpts: LRU[tuple[str, StatKey], _Entry] = LRU(settings.checkpoint_cache)
+        self._plans: LRU[tuple[Any, ...], tuple[str, RankPlan]] = LRU(settings.plan_cache)
+        self._planners: LRU[tuple[Any, ...], tuple[str, RankPlanner]] = LRU(8)
+        self._stored: LRU[tuple[str, int, int], Manifest] = LRU(256)
+
+    # --- paths -------------------------------------------------------------------------------
+
+    def directory(self, name: str, *, create: bool = False) -> Path:
+        """The real path of checkpoint `name`; 404 when absent (unless `create`), 400 when it escapes."""
+        check_name(name)
+        path = self.root / name
+        if create and not os.path.lexists(path):
+            path.mkdir(exist_ok=True)
+        real = Path(os.path.realpath(path))
+        if not is_within(real, self.root) or real == self.root:
+            raise BadRequest(f"checkpoint {name!r} resolves outside the served root (symlink); refused")
+        if not real.is_dir():
+            raise NotFoundError(f"no checkpoint named {name!r}; GET /v1/checkpoints lists them")
+        return real
+
+    def scan(self, directory: Path) -> StatKey:
+        """(name, size, mtime_ns, inode) of every file that can shape the checkpoint; refuse escapes."""
+        out = []
+        try:
+            entries = list(os.scandir(directory))
+        except OSError as e:
+            raise NotFoundError(f"{directory.name}: cannot list: {e.strerror}") from None
+        for entry in entries:
+            if entry.name.startswith(".") or not entry.name.endswith(_WATCHED):
+                continue
+            if entry.is_symlink() and not is_within(Path(os.path.realpath(entry.path)), self.root):
+                raise BadRequest(f"{directory.name}/{entry.name} is a symlink that leaves the served root; refused")
+            try:
+                st = os.stat(entry.path)
+            except OSError:
+                continue
+            if stat.S_ISREG(st.st_mode):
+                out.append((entry.name, st.st_size, st.st_mtime_ns, st.st_ino))
+        return tuple(sorted(out))
+
+    def names(self) -> list[dict[str, Any]]:
+        """Checkpoint directories under the root (valid names, inside the root, with safetensors files)."""
+        found = []
+        for entry in sorted(os.scandir(self.root), key=lambda e: e.name):
+            if not valid_name(entry.name):
+                continue
+            try:
+                key = self.scan(self.directory(entry.name))
+            except ReshardError:
+                continue
+            weights = [f for f in key if f[0].endswith(".safetensors")]
+            if weights:
+                found.append({"name": entry.name, "files": len(weights), "bytes": sum(f[1] for f in weights)})
+        return found
+
+    # --- checkpoints and manifests -----------------------------------------------------------
+
+    def _entry(self, name: str) -> tuple[_Entry, StatKey]:
+        directory = self.directory(name)
+        key = self.scan(directory)
+        if not any(f[0].endswith(".safetensors") for f in key):
+            raise NotFoundError(f"checkpoint {name!r} has no .safetensors files")
+        entry = self._ckpts.get((name, key))
+        if entry is None:
+            entry = _Entry(self._open_checkpoint(name, directory))
+            self._ckpts.put((name, key), entry)
+        return entry, key
+
+    def _open_checkpoint(self, name: str, directory: Path) -> Checkpoint:
+        ckpt = Checkpoint.open(directory)
+        for f in ckpt.files:
+            if not is_within(Path(os.path.realpath(f.path)), self.root):
+                raise BadRequest(f"{name}/{f.path.name} resolves outside the served root; refused")
+        return ckpt
+
+    def _stored_path(self, name: str, label: str) -> Path:
+        return self.rules_dir / check_name(name) / f"{check_name(label, what='manifest label')}.json"
+
+    def stored_labels(self, name: str) -> list[str]:
+        d = self.rules_dir / check_name(name)
+        return sorted(p.stem for p in d.glob("*.json")) if d.is_dir() else []
+
+    def stored_manifest(self, name: str, label: str) -> Manifest | None:
+        path = self._stored_path(name, label)
+        try:
+            st = path.stat()
+        except FileNotFoundError:
+            return None
+        key = (str(path), st.st_size, st.st_mtime_ns)
+        manifest = self._stored.get(key)
+        if manifest is None:
+            try:
+                obj = json.loads(path.read_text(encoding="utf-8"))
+            except (OSError, ValueError) as e:
+                raise ManifestError(f"stored manifest {label!r} of {name!r} is unreadable: {e}") from None
+            manifest = Manifest.from_dict(obj, source=f"stored manifest {label!r}")
+            self._stored.put(key, manifest)
+        return manifest
+
+    def source(self, name: str, *, rules: str | None = None) -> ServedCheckpoint:
+        """The checkpoint `name` and its manifest: `rules` (a stored label) if given, else the stored
+        default, else a rules file in its directory, else its config.json tp_plan."""
+        return self._source(name, *self._entry(name), rules)
+
+    def _source(self, name: str, entry: _Entry, key: StatKey, rules: str | None) -> ServedCheckpoint:
+        if rules is not None:
+            manifest = self.stored_manifest(name, rules)
+            if manifest is None:
+                raise NotFoundError(f"checkpoint {name!r} has no stored manifest {rules!r}; "
+                                    f"stored: {self.stored_labels(name)}")
+            return ServedCheckpoint(name, entry.ckpt, manifest, key)
+        stored = self.stored_manifest(name, DEFAULT_LABEL)
+        if stored is not None:
+            return ServedCheckpoint(name, entry.ckpt, stored, key)
+        with entry.lock:
+            if not entry.resolved:
+                try:
+                    entry.manifest = checkpoint_manifest(entry.ckpt)
+                except ReshardError as e:
+                    entry.manifest_error = e
+                entry.resolved = True
+        if entry.manifest is None:
+            assert entry.manifest_error is not None
+            raise entry.manifest_error
+        return ServedCheckpoint(name, entry.ckpt, entry.manifest, key)
+
+    def describe(self, name: str, *, rules: str | None = None) -> dict[str, Any]:
+        """The checkpoint JSON: files, tensors, config and where its manifest comes from."""
+        entry, key = self._entry(name)
+        rule_info = self._rules_info(name, entry, key, rules)
+        ckpt = entry.ckpt
+        return {
+            "name": name,
+            "files": [{"name": f.path.name, "size": f.size, "mtime_ns": f.mtime_ns} for f in ckpt.files],
+            "total_bytes": ckpt.total_bytes(),
+            "tensors": [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "bytes": t.nbytes,
+                         "file": t.file.name} for t in ckpt.tensors.values()],
+            "config": ckpt.config,
+            "rules": rule_info,
+        }
+
+    def rules_info(self, name: str, *, rules: str | None = None) -> dict[str, Any]:
+        """The `rules` part of `describe`: where the manifest comes from, or why none applies."""
+        return self._rules_info(name, *self._entry(name), rules)
+
+    def _rules_info(self, name: str, entry: _Entry, key: StatKey, rules: str | None) -> dict[str, Any]:
+        try:
+            src = self._source(name, entry, key, rules)
+            rule_info: dict[str, Any] = {"source": src.manifest.source, "digest": src.manifest.digest(),
+                                         "manifest": src.manifest.to_dict(), "error": None}
+        except (ManifestError, RegistryError, PlanError) as e:  # the checkpoint is still described
+            rule_info = {"source": None, "digest": None, "manifest": None, "error": str(e)}
+        rule_info["stored"] = self.stored_labels(name)
+        return rule_info
+
+    # --- plans -------------------------------------------------------------------------------
+
+    def plan(self, src: ServedCheckpoint, tp: int, *, ranks: list[int] | None = None) -> Plan:
+        return make_plan(src.ckpt, src.manifest, tp, ranks=ranks)
+
+    def rank_plan(self, src: ServedCheckpoint, tp: int, rank: int) -> tuple[str, RankPlan]:
+        """(plan digest, RankPlan) for one rank, cached by stat identity, manifest, tp and rank; the
+        tensor groups of a (checkpoint, manifest, tp) are kept too, so its other ranks plan fast."""
+        key = (src.name, src.key, src.manifest.digest(), tp)
+        hit = self._plans.get((*key, rank))
+        if hit is None:
+            planned = self._planners.get(key)
+            if planned is None:
+                planner, plan = make_planner(src.ckpt, src.manifest, tp)
+                planned = (plan.digest, planner)
+                self._planners.put(key, planned)
+            with paused_gc():
+                hit = (planned[0], planned[1].plan(rank))
+            self._plans.put((*key, rank), hit)
+        return hit
+
+    def store_rules(self, name: str, manifest: Manifest, *, label: str = DEFAULT_LABEL,
+                    tps: Sequence[int] = ()) -> dict[str, Any]:
+        """Validate `manifest` against checkpoint `name` (and each of `tps`), store it under `label`."""
+        entry, _ = self._entry(name)
+        _, warnings = resolve_rules(list(entry.ckpt.tensors), manifest, strict=False)
+        for tp in (1, *tps):  # every rule's kind and options must apply to the tensors it matches
+            make_plan(entry.ckpt, manifest, tp)
+        path = self._stored_path(name, label)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(path, manifest.to_dict())
+        return {"name": name, "label": label, "digest": manifest.digest(), "warnings": warnings,
+                "manifest": manifest.to_dict()}
+
+
+def allowed_upload(filename: str) -> str:
+    """Upload targets: `*.safetensors` (a plain name), config.json or the index file."""
+    if filename in (CONFIG_NAME, INDEX_NAME):
+        return filename
+    if filename.endswith(".safetensors") and valid_name(filename):
+        return filename
+    raise BadRequest(
+        f"file name {filename!r} is not accepted: upload NAME.safetensors (letters, digits, '.', '_', '-'), "
+        f"{CONFIG_NAME} or {INDEX_NAME}"
+    )

@@ -1,0 +1,57 @@
+"""Accessors for the long-lived state `create_app` puts on `app.state`, as FastAPI dependencies."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import Depends, Path, Query, Request
+
+from reshard.plan.types import MAX_TP
+from reshard.service.catalog import Catalog
+from reshard.service.digests import DigestCache
+from reshard.service.jobs import JobManager
+from reshard.service.metrics import ServiceMetrics
+from reshard.service.schemas import NAME_PATTERN
+from reshard.service.settings import Settings
+from reshard.service.streaming import StreamContext
+
+
+def get_settings(request: Request) -> Settings:
+    return request.app.state.settings
+
+
+def get_catalog(request: Request) -> Catalog:
+    return request.app.state.catalog
+
+
+def get_jobs(request: Request) -> JobManager:
+    return request.app.state.jobs
+
+
+def get_metrics(request: Request) -> ServiceMetrics:
+    return request.app.state.metrics
+
+
+def get_digests(request: Request) -> DigestCache:
+    return request.app.state.digests
+
+
+def get_stream_context(request: Request) -> StreamContext:
+    return request.app.state.stream_context
+
+
+CatalogDep = Annotated[Catalog, Depends(get_catalog)]
+SettingsDep = Annotated[Settings, Depends(get_settings)]
+JobsDep = Annotated[JobManager, Depends(get_jobs)]
+MetricsDep = Annotated[ServiceMetrics, Depends(get_metrics)]
+DigestsDep = Annotated[DigestCache, Depends(get_digests)]
+StreamDep = Annotated[StreamContext, Depends(get_stream_context)]
+
+# documented, not enforced by FastAPI: `reshard.service.catalog.check_name` answers 400 with an explanation
+_NAME_DOC = {"pattern": NAME_PATTERN, "maxLength": 128}
+Name = Annotated[str, Path(description="checkpoint directory name under the root (no '..', no separators)",
+                           json_schema_extra=_NAME_DOC)]
+TP = Annotated[int, Query(ge=1, le=MAX_TP, description="tensor-parallel degree")]
+Rules = Annotated[str | None, Query(description="label of a stored manifest to use instead",
+                                    json_schema_extra=_NAME_DOC)]
+Label = Annotated[str, Query(description="label to store the manifest under", json_schema_extra=_NAME_DOC)]

@@ -1,0 +1,160 @@
+"""Request and response bodies, for validation and the OpenAPI description at /docs."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from reshard.plan.types import MAX_TP
+
+# checkpoint names and manifest labels as documented in the OpenAPI description (and enforced for JobIn.rules)
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_-]*(\.[A-Za-z0-9_-]+)*$"
+
+
+class Health(BaseModel):
+    status: Literal["ok"] = "ok"
+    version: str
+
+
+class CheckpointSummary(BaseModel):
+    name: str
+    files: int = Field(description="number of .safetensors files")
+    bytes: int = Field(description="their total size")
+
+
+class CheckpointList(BaseModel):
+    checkpoints: list[CheckpointSummary]
+
+
+class FileOut(BaseModel):
+    name: str
+    size: int
+    mtime_ns: int
+
+
+class TensorOut(BaseModel):
+    name: str
+    dtype: str
+    shape: list[int]
+    bytes: int
+    file: str
+
+
+class RulesOut(BaseModel):
+    source: str | None = Field(description="where the manifest comes from (stored, rules file, config.json)")
+    digest: str | None
+    manifest: dict[str, Any] | None
+    error: str | None = Field(description="why no manifest applies, when none does")
+    stored: list[str] = Field(description="labels of the manifests stored for this checkpoint")
+
+
+class CheckpointOut(BaseModel):
+    name: str
+    files: list[FileOut]
+    total_bytes: int
+    tensors: list[TensorOut]
+    config: dict[str, Any] | None
+    rules: RulesOut
+
+
+class RuleIn(BaseModel):
+    """One rule: exactly one of `pattern` (glob) or `regex`, a `kind`, and the kind's options."""
+
+    model_config = ConfigDict(extra="allow")
+
+    pattern: str | None = None
+    regex: str | None = None
+    kind: str
+
+
+class ManifestIn(BaseModel):
+    """A rule manifest (the JSON form of a reshard rules file); first matching rule wins."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    rules: list[RuleIn]
+    strict: bool = False
+    default: Literal["replicate", "strict", "error"] | None = None
+
+    def to_obj(self) -> dict[str, Any]:
+        obj: dict[str, Any] = {"rules": [r.model_dump(exclude_none=True) for r in self.rules], "strict": self.strict}
+        if self.default is not None:
+            obj["default"] = self.default
+        return obj
+
+
+class StoredRulesOut(BaseModel):
+    name: str
+    label: str
+    digest: str
+    warnings: list[str]
+    manifest: dict[str, Any]
+
+
+class UploadOut(BaseModel):
+    name: str
+    file: str
+    size: int
+    sha256: str
+    replaced: bool
+    tensors: int | None = None
+    header_bytes: int | None = None
+
+
+class RankOut(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    rank: int
+    file: str
+    etag: str
+    tensors: int | list[dict[str, Any]] = Field(description="the tensors, or their count with tensors=false")
+    bytes: int
+    replicated_bytes: int
+    bytes_read: int
+    header_bytes: int
+
+
+class PlanOut(BaseModel):
+    tp: int
+    plan: str = Field(description="sha256 of source identity, manifest and tp")
+    manifest_source: str
+    warnings: list[str]
+    ranks: list[RankOut]
+
+
+class DigestOut(BaseModel):
+    rank: int
+    tp: int
+    size: int
+    etag: str
+    sha256: str
+    cached: bool = Field(description="false when this request computed it")
+
+
+class JobIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    tp: int = Field(ge=1, le=MAX_TP, strict=True)
+    ranks: list[Annotated[int, Field(ge=0, lt=MAX_TP, strict=True)]] | None = Field(
+        None, min_length=1, max_length=MAX_TP, description="default: every rank")
+    rules: str | None = Field(None, description="label of a stored manifest; default: the checkpoint's manifest",
+                              pattern=NAME_PATTERN, max_length=128)
+
+
+class JobOut(BaseModel):
+    id: str
+    checkpoint: str
+    tp: int
+    ranks: list[int]
+    rules: str | None
+    plan: str
+    state: Literal["queued", "running", "done", "failed"]
+    bytes_done: int
+    bytes_total: int
+    output_dir: str
+    outputs: list[str]
+    error: dict[str, str] | None
+    created_at: float
+    started_at: float | None
+    finished_at: float | None

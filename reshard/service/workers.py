@@ -1,0 +1,99 @@
+"""`reshard serve --workers N`: N uvicorn worker processes accepting on one listening socket.
+
+The supervisor (uvicorn's `Multiprocess`, which restarts a worker that dies) binds the socket, hands
+every worker the validated settings through `RESHARD_*` environment variables and a fresh
+`PROMETHEUS_MULTIPROC_DIR` for the metrics, and on SIGTERM/SIGINT stops the workers gracefully. Each
+worker builds the app with `worker_app()`. A worker dies with its supervisor, even a SIGKILLed one
+(`PR_SET_PDEATHSIG`), so no orphan keeps the port or a job; jobs it left are marked failed by the next
+worker to start (`reshard.service.jobs`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import tempfile
+from typing import Any
+
+from fastapi import FastAPI
+
+from reshard.service.app import create_app
+from reshard.service.metrics import MULTIPROC_ENV
+from reshard.service.process import SUPERVISOR_ENV, die_with_supervisor, enable_mapped_reads
+from reshard.service.settings import Settings
+
+
+def settings_env(settings: Settings) -> dict[str, str | None]:
+    """`RESHARD_*` variables that rebuild exactly `settings` in another process (None: unset it)."""
+    env: dict[str, str | None] = {}
+    for name, value in settings.model_dump().items():
+        if value is not None and hasattr(value, "get_secret_value"):
+            value = value.get_secret_value()
+        env[f"RESHARD_{name.upper()}"] = None if value is None else str(value)
+    return env
+
+
+def worker_app() -> FastAPI:
+    """The app of one worker process (uvicorn's factory), settings from the environment."""
+    die_with_supervisor()
+    settings = Settings()
+    enable_mapped_reads(settings)
+    return create_app(settings)
+
+
+def _supervisor_class() -> type:
+    from uvicorn.supervisors import Multiprocess
+
+    class Supervisor(Multiprocess):
+        """uvicorn's supervisor, except that SIGTERM/SIGINT reach the workers at once (their handler
+        stops write jobs first), not at the supervisor's next half-second look at its signal queue."""
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, self._forward)
+
+        def _forward(self, sig: int, frame: Any) -> None:
+            self.signal_queue.append(sig)
+            for p in self.processes:
+                if p.pid is not None and p.exitcode is None:
+                    with contextlib.suppress(OSError):
+                        os.kill(p.pid, signal.SIGTERM)
+
+    return Supervisor
+
+
+def http_protocol(settings: Settings) -> str:
+    """uvicorn's `http` option: its httptools protocol, with ASGI's zero-copy send unless turned off."""
+    return "reshard.service.zerocopy:ZeroCopyProtocol" if settings.zero_copy else "httptools"
+
+
+def serve_workers(settings: Settings, *, workers: int, access_log: bool) -> int:
+    """Run `workers` worker processes on one socket until SIGTERM/SIGINT; 3 if the socket cannot be bound."""
+    import uvicorn
+
+
+    _Supervisor = _supervisor_class()
+
+    for key, value in settings_env(settings).items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+    os.environ[SUPERVISOR_ENV] = str(os.getpid())
+    metrics_dir = tempfile.mkdtemp(prefix="reshard-metrics-")
+    os.environ[MULTIPROC_ENV] = metrics_dir
+    try:
+        config = uvicorn.Config("reshard.service.workers:worker_app", factory=True, host=settings.host, port=settings.port,
+                                workers=workers, log_level=settings.log_level, access_log=access_log,
+                                timeout_keep_alive=30, http=http_protocol(settings))
+        try:
+            sock = config.bind_socket()
+        except SystemExit:  # uvicorn has logged why (address in use...)
+            return 3
+        _Supervisor(config, sockets=[sock]).run()
+        return 0
+    finally:
+        shutil.rmtree(metrics_dir, ignore_errors=True)

@@ -1,0 +1,39 @@
+"""The library's settings: `RESHARD_*` environment variables, read when they are used.
+
+Every knob the library (not the service: `reshard.service.settings`) reads from the environment is a
+field here, so the list of them is one class (docs/service.md generates its table from both). They
+are read at each use, not at import, so a process may change them between calls.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field, ValidationError
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from reshard.errors import ReshardError
+
+
+class LibrarySettings(BaseSettings):
+    """Library settings; each field is `RESHARD_<NAME>` in the environment."""
+
+    model_config = SettingsConfigDict(env_prefix="RESHARD_", extra="ignore")
+
+    plan_source: str = Field("auto", description="TP plans: `auto` (the installed transformers when its version "
+                             "differs from the shipped table's), `live` (always the installed one), `table`")
+    mla: str = Field("", description="`heads`: split DeepSeek-style MLA attention by heads (transformers replicates it)")
+    store_inflight: int = Field(64 << 20, ge=1, description="bytes a store-backed stream fetches ahead of its reader")
+    store_concurrency: int = Field(16, ge=1, description="store requests in flight, all streams of a process together")
+    store_max_gap: int = Field(256 << 10, ge=0, description="the longest gap between two ranges fetched as one request")
+    store_waste: float = Field(0.04, ge=0, description="gap bytes fetched to save requests, as a share of the bytes read")
+    store_retries: int = Field(5, ge=0, description="retries of a failed store request")
+    store_timeout: float = Field(60.0, gt=0, description="seconds a store request may take")
+
+
+def library_settings() -> LibrarySettings:
+    """The settings as the environment says now; a bad value is one `ReshardError` naming the variable."""
+    try:
+        return LibrarySettings()
+    except ValidationError as e:
+        err = e.errors()[0]
+        name = "RESHARD_" + str(err["loc"][0]).upper() if err["loc"] else "RESHARD_*"
+        raise ReshardError(f"{name}: {err['msg']} (environment variable)") from None

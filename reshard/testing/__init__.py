@@ -1,0 +1,1 @@
+"""Synthetic checkpoints for tests, the demo and the benchmarks."""

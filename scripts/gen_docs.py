@@ -1,0 +1,342 @@
+"""Regenerate the generated tables of docs/*.md, each between two marker comments:
+
+    <!-- generated: NAME (any note) -->
+    ...what GENERATORS[NAME]() returns...
+    <!-- end generated -->
+
+    .venv/bin/python scripts/gen_docs.py           # rewrite the tables in docs/*.md
+    .venv/bin/python scripts/gen_docs.py --check   # exit 1 if a committed table differs from what this makes
+
+Sources: the service settings class (`reshard.service.settings.Settings`, before the move
+`service.settings.Settings`) and the flags of `reshard serve`; the library's settings class
+(`reshard.settings.LibrarySettings`); the benchmark results in
+`bench/results/` (`quick.json`, `full.json` from `./run bench [--full]`, `stores.md`, `s3_write.md`,
+`trainer_support.json`); the plan tests' results `tests/plans/results/coverage.json` (rendered by
+`scripts/coverage_table.py`). Only the text between the markers is touched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+import types
+import typing
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+RESULTS = ROOT / "bench" / "results"
+for _p in (str(ROOT), str(Path(__file__).resolve().parent)):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+from _generated import write_or_check  # noqa: E402
+
+BLOCK = re.compile(r"(<!-- generated: (?P<name>[a-z0-9-]+)[^>]*-->\n)(?P<body>.*?)(<!-- end generated -->)", re.S)
+
+
+def _cell(text: Any) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def _table(header: list[str], rows: list[list[Any]], align: list[str] | None = None) -> list[str]:
+    align = align or ["---"] * len(header)
+    return ["| " + " | ".join(header) + " |", "|" + "|".join(align) + "|",
+            *("| " + " | ".join(_cell(c) for c in row) + " |" for row in rows)]
+
+
+def _fmt(x: Any, spec: str) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "-"
+    return format(x, spec)
+
+
+# --- service settings ---------------------------------------------------------------------------------
+
+def settings_class() -> type:
+    """The service's pydantic Settings: its new home first, then the one before the move."""
+    try:
+        from reshard.service.settings import Settings
+    except ModuleNotFoundError as e:
+        if e.name not in ("reshard.service", "reshard.service.settings"):
+            raise
+        from service.settings import Settings  # type: ignore[no-redef]
+    return Settings
+
+
+def serve_flags() -> dict[str, str]:
+    """Settings field -> the `reshard serve` option that sets it (argparse dest = field name)."""
+    from reshard.cli import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))  # noqa: SLF001
+    serve = sub.choices["serve"]
+    return {a.dest: max(a.option_strings, key=len) for a in serve._actions if a.option_strings}  # noqa: SLF001
+
+
+def _size(n: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << 16 and n % (1 << shift) == 0:
+            return f"{n >> shift} {unit}"
+    return str(n)
+
+
+def _type_name(tp: Any) -> str:
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp) if a is not type(None))
+    names = {"Path": "path", "str": "string", "int": "integer", "float": "number", "bool": "boolean",
+             "SecretStr": "secret string"}
+    return names.get(getattr(tp, "__name__", ""), str(tp))
+
+
+def _bounds(field: Any) -> str:
+    out = []
+    for m in field.metadata:
+        for attr, sign in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")):
+            v = getattr(m, attr, None)
+            if v is not None:
+                out.append(f"{sign} {_size(v) if isinstance(v, int) else v}")
+    return ", ".join(out)
+
+
+def _default(field: Any) -> str:
+    if field.is_required():
+        return "required"
+    if field.default_factory is not None:
+        return "computed at start-up"
+    v = field.default
+    if v is None or v == "":
+        return "unset"
+    if isinstance(v, bool):
+        return f"`{str(v).lower()}`"
+    if isinstance(v, int) and _size(v) != str(v):
+        return f"`{v}` ({_size(v)})"
+    if isinstance(v, float) and v.is_integer():
+        return f"`{int(v)}`"
+    return f"`{v}`"
+
+
+def library_settings_class() -> type | None:
+    """The library's settings (`reshard.settings.LibrarySettings`), None before they existed."""
+    try:
+        from reshard.settings import LibrarySettings
+    except ModuleNotFoundError as e:
+        if e.name != "reshard.settings":
+            raise
+        return None
+    return LibrarySettings
+
+
+def _settings_rows(cls: type, flags: dict[str, str] | None) -> list[list[str]]:
+    prefix = cls.model_config.get("env_prefix", "")
+    rows = []
+    for name, field in cls.model_fields.items():
+        bounds = _bounds(field)
+        row = [f"`{prefix}{name.upper()}`", _default(field),
+               _type_name(field.annotation) + (f" ({bounds})" if bounds else ""), field.description or ""]
+        if flags is not None:
+            row.insert(1, f"`{flags[name]}`" if name in flags else "-")
+        rows.append(row)
+    return rows
+
+
+def gen_settings() -> str:
+    cls = settings_class()
+    prefix = cls.model_config.get("env_prefix", "")
+    lines = [f"From `{cls.__module__}.{cls.__name__}`: each field is read from the environment variable "
+             f"`{prefix}` + its name; the `reshard serve` flag, where there is one, overrides the variable.", ""]
+    return "\n".join(lines + _table(["variable", "flag", "default", "type", "what it does"],
+                                    _settings_rows(cls, serve_flags())))
+
+
+def gen_library_settings() -> str:
+    cls = library_settings_class()
+    if cls is None:
+        return "(no library settings class in this version)"
+    lines = [f"From `{cls.__module__}.{cls.__name__}`: read from the environment each time they are used, "
+             "by every command, the service, the trainer and `fill_model`.", ""]
+    return "\n".join(lines + _table(["variable", "default", "type", "what it does"], _settings_rows(cls, None)))
+
+
+# --- benchmark results ------------------------------------------------------------------------------
+
+def _results(mode: str) -> dict[str, Any]:
+    return json.loads((RESULTS / f"{mode}.json").read_text(encoding="utf-8"))
+
+
+def _cases(comp: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """The baseline first, then the other cases by name (the JSON keeps its keys sorted)."""
+    cases = comp["cases"]
+    return [(comp["baseline"], cases[comp["baseline"]])] + sorted((k, v) for k, v in cases.items() if k != comp["baseline"])
+
+
+def _run_line(results: dict[str, Any], command: str) -> str:
+    meta = results["meta"]
+    return (f"`{command}` (`bench/results/{meta['mode']}.json`): medians of {meta['reps']} interleaved rounds "
+            f"(one-client serving: 7) after {meta.get('warmup', 1)} warm-up round; {meta['machine']}.")
+
+
+def _comparisons(results: dict[str, Any]) -> list[str]:
+    rows = []
+    for comp in results["comparisons"]:
+        for name, c in _cases(comp):
+            server = c.get("watched_peak_rss_anon_mib", {}).get("server")
+            rows.append([comp["title"], name, c.get("note", ""), _fmt(c["median_s"], ".3f"),
+                         _fmt(c["ratio_to_baseline"], ".2f") + "x", _fmt(c.get("median_mb_s"), ".0f"),
+                         _fmt(c["peak_rss_anon_mib"], ".0f"), _fmt(server, ".0f")])
+    return _table(["comparison", "command", "what", "median s", "time ratio", "MB/s", "peak RssAnon MiB",
+                   "server peak MiB"], rows, ["---", "---", "---", "---:", "---:", "---:", "---:", "---:"])
+
+
+def gen_bench_quick() -> str:
+    r = _results("quick")
+    lines = [_run_line(r, "./run bench"), "", *_comparisons(r)]
+    train = next((c for c in r["comparisons"] if "ratio_load" in c), None)
+    if train:
+        d, h, b = train["cases"]["disk"], train["cases"]["http"], train["bytes"]
+        lines += ["", f"Trainer start-up at tp={train.get('tp')}, transformers' own model, shards from local files "
+                  "or over HTTP from the service:", ""]
+        lines += _table(["", "local shards", "over HTTP", "ratio"], [
+            ["time to first step, s", _fmt(d["median_time_to_first_step_s"], ".1f"),
+             _fmt(h["median_time_to_first_step_s"], ".1f"), _fmt(train["ratio_time_to_first_step"], ".2f") + "x"],
+            ["launch until the parameters are filled, s", _fmt(d["median_load_s"], ".1f"),
+             _fmt(h["median_load_s"], ".1f"), _fmt(train["ratio_load"], ".2f") + "x"],
+            ["bytes received per rank", "-", ", ".join(f"{x / 1e6:.1f} MB" for x in b["http_per_rank"]),
+             f"of {b['full'] / 1e6:.1f} MB in the checkpoint; {b['replicated_per_rank'] / 1e6:.2f} MB "
+             "of each rank's share is replicated"],
+        ])
+    return "\n".join(lines)
+
+
+def gen_bench_full() -> str:
+    r = _results("full")
+    return "\n".join([_run_line(r, "python -m bench --full"), "", *_comparisons(r)])
+
+
+def gen_bench_targets() -> str:
+    """Each target from the latest run that measured it (quick and full runs measure different cases)."""
+    runs = sorted((_results(m) for m in ("quick", "full") if (RESULTS / f"{m}.json").is_file()),
+                  key=lambda r: r["meta"]["date"], reverse=True)
+    chosen: dict[str, tuple[dict[str, Any], str]] = {}
+    for run in runs:
+        for t in run.get("targets", []):
+            measured = t["value"] != "-"
+            if t["target"] not in chosen or (measured and chosen[t["target"]][0]["value"] == "-"):
+                chosen[t["target"]] = (t, run["meta"]["mode"])
+    order: list[str] = []
+    for run in sorted(runs, key=lambda r: -len(r.get("targets", []))):  # merged, each run's order kept
+        after = -1
+        for t in run.get("targets", []):
+            if t["target"] in order:
+                after = order.index(t["target"])
+            else:
+                after += 1
+                order.insert(after, t["target"])
+    rows = []
+    for name in order:
+        t, mode = chosen[name]
+        met = "-" if t["goal"] == "-" else {True: "yes", False: "**no**", None: "not measured"}[t["met"]]
+        rows.append([t["target"], t["value"], t["goal"], met, mode if t["value"] != "-" else "-"])
+    return "\n".join(_table(["target", "value", "goal", "met", "run"], rows))
+
+
+def _results_md(name: str) -> str:
+    """The caption and tables of a markdown results file; its prose after the last table is history."""
+    lines = (RESULTS / name).read_text(encoding="utf-8").splitlines()
+    last = max(i for i, ln in enumerate(lines) if ln.startswith("|"))
+    out: list[str] = []
+    for ln in lines[: last + 1]:
+        if ln.startswith("# "):
+            out += [f"From `bench/results/{name}`, {ln[2:].strip()}.", ""]
+        elif ln.startswith("|"):
+            out += [""] if out and out[-1] and not out[-1].startswith("|") else []
+            out.append(ln)
+        elif ln.strip():
+            out.append(ln)
+    return "\n".join(out)
+
+
+def gen_bench_stores() -> str:
+    return _results_md("stores.md")
+
+
+def gen_bench_s3_write() -> str:
+    return _results_md("s3_write.md")
+
+
+# --- tests' and trainer results -------------------------------------------------------------------------
+
+def gen_trainer_support() -> str:
+    data = json.loads((RESULTS / "trainer_support.json").read_text(encoding="utf-8"))
+    rows = []
+    for model_type, r in sorted(data["model_types"].items()):
+        for case, c in sorted(r["cases"].items()):
+            rows.append([model_type, case, "yes" if c.get("moe") else "no", c.get("tp", "-"),
+                         _fmt(c.get("max_abs_logit_diff"), ".1e"), "yes" if c.get("supported") else "**no**"])
+    head = (f"From `bench/results/trainer_support.json` (`python -m bench.trainer_support`), transformers "
+            f"{data.get('transformers', '?')}; check: {data.get('check', '?')}.")
+    return "\n".join([head, "", *_table(["model_type", "case", "MoE", "tp", "max abs logit diff", "equal"], rows)])
+
+
+def gen_coverage() -> str:
+    from coverage_table import RESULTS as COVERAGE
+    from coverage_table import TRAINER, render
+
+    results = json.loads(COVERAGE.read_text(encoding="utf-8"))
+    trainer = json.loads(TRAINER.read_text(encoding="utf-8")) if TRAINER.is_file() else None
+    return render(results, trainer)
+
+
+GENERATORS: dict[str, Callable[[], str]] = {
+    "settings": gen_settings,
+    "library-settings": gen_library_settings,
+    "bench-quick": gen_bench_quick,
+    "bench-full": gen_bench_full,
+    "bench-targets": gen_bench_targets,
+    "bench-stores": gen_bench_stores,
+    "bench-s3-write": gen_bench_s3_write,
+    "trainer-support": gen_trainer_support,
+    "coverage": gen_coverage,
+}
+
+
+def generated(text: str, *, where: str = "text") -> str:
+    """`text` with every generated block replaced by what its generator makes now."""
+    cache: dict[str, str] = {}
+
+    def fill(m: re.Match[str]) -> str:
+        name = m.group("name")
+        if name not in GENERATORS:
+            raise SystemExit(f"{where}: unknown generated block {name!r}; known: {', '.join(GENERATORS)}")
+        if name not in cache:
+            cache[name] = GENERATORS[name]().rstrip("\n") + "\n"
+        return m.group(1) + cache[name] + m.group(4)
+
+    return BLOCK.sub(fill, text)
+
+
+def pages() -> list[Path]:
+    return sorted(DOCS.glob("*.md"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="exit 1 if a page's generated tables are not current")
+    args = parser.parse_args(argv)
+    rc = 0
+    for page in pages():
+        text = page.read_text(encoding="utf-8")
+        if not BLOCK.search(text):
+            continue
+        rc |= write_or_check(page, generated(text, where=str(page)), check=args.check,
+                             done=f"{page.relative_to(ROOT)}: generated tables written")
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

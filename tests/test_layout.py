@@ -1,0 +1,93 @@
+"""The code's shape, kept by tools: layers in the data flow's order, no import cycle, small rooms."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import grimp
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "reshard"
+
+pytestmark = pytest.mark.pure
+
+
+def test_import_linter_contracts_kept() -> None:
+    """pyproject's [tool.importlinter] layers: cli > service, testing > trainer > fill > tp > io > plan
+    > rules > format > settings, registry > errors."""
+    lint = Path(sys.executable).with_name("lint-imports")
+    proc = subprocess.run([str(lint), "--no-cache"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "0 broken" in proc.stdout
+
+
+def _cycles(graph: grimp.ImportGraph) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+    for root in sorted(graph.modules):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph.find_modules_directly_imported_by(root))))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on.add(root)
+        while work:
+            v, it = work[-1]
+            w = next(it, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = len(index)
+                    stack.append(w)
+                    on.add(w)
+                    work.append((w, iter(sorted(graph.find_modules_directly_imported_by(w)))))
+                elif w in on:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                comp = []
+                while True:
+                    w = stack.pop()
+                    on.discard(w)
+                    comp.append(w)
+                    if w == v:
+                        break
+                if len(comp) > 1:
+                    out.append(sorted(comp))
+    return out
+
+
+def test_no_import_cycle() -> None:
+    """Module by module, imports inside functions included; `if TYPE_CHECKING:` imports are left out
+    (they never run)."""
+    graph = grimp.build_graph("reshard", exclude_type_checking_imports=True, cache_dir=None)
+    # a package imports its submodules' parents implicitly; an `__init__` that re-exports a child is
+    # not a cycle of the code, so edges from a package to its own children are dropped
+    for m in list(graph.modules):
+        for child in graph.find_children(m):
+            if graph.direct_import_exists(importer=m, imported=child):
+                graph.remove_import(importer=m, imported=child)
+    assert _cycles(graph) == []
+
+
+def test_rooms_are_small() -> None:
+    """No file of reshard/ over 400 lines, no function over 60."""
+    too_big = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        text = path.read_text()
+        if text.count("\n") > 400:
+            too_big.append(f"{path.relative_to(ROOT)}: {text.count(chr(10))} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 60:
+                too_big.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}: {node.end_lineno - node.lineno + 1} lines")
+    assert too_big == []
