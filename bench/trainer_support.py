@@ -1,6 +1,6 @@
 """Which transformers architectures the bundled TP trainer supports: `python -m bench.trainer_support`.
 
-For every architecture in `tests/trainer/archs.py`, a tiny random
+For every architecture in `tests/support/trainer_archs.py`, a tiny random
 checkpoint is sharded at tp=2 and built by 2 real gloo ranks; the logits are compared with transformers'
 own single-process model (`from_pretrained` on the full checkpoint). Writes
 `bench/results/trainer_support.json`: per model_type, supported or not, the max abs logit difference,
@@ -41,12 +41,11 @@ def job(rank: int, world_size: int, cases: dict[str, str], ids: torch.Tensor) ->
 
 
 def main() -> int:
-    sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "trainer")]
-    import archs
     import transformers
-    from _dist import run_distributed
 
     from reshard.cli import main as reshard_cli
+    from tests.support import trainer_archs as archs
+    from tests.support.dist import run_distributed
 
     transformers.logging.set_verbosity_error()
     with tempfile.TemporaryDirectory() as tmp:

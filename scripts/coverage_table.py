@@ -1,8 +1,10 @@
-"""The README's architecture coverage table, from the plan tests' results.
+"""The architecture coverage table of docs/transformers.md, from the plan tests' results.
 
-    .venv/bin/python scripts/coverage_table.py --run     # run tests/plans, record results, update README
-    .venv/bin/python scripts/coverage_table.py           # update README from the recorded results
-    .venv/bin/python scripts/coverage_table.py --check   # exit 1 if README's table is not the recorded one
+    .venv/bin/python scripts/coverage_table.py --run     # run tests/plans, record results, update the docs
+    .venv/bin/python scripts/coverage_table.py           # update the docs from the recorded results
+    .venv/bin/python scripts/coverage_table.py --check   # exit 1 if the docs' tables are not the recorded ones
+
+`render` makes the table; `scripts/gen_docs.py` puts it (with every other generated table) in place.
 
 Results: `tests/plans/results/coverage.json`, written by the plan tests when $RESHARD_COVERAGE_OUT
 names it. The trainer column reads `bench/results/trainer_support.json` (written by
@@ -12,19 +14,14 @@ names it. The trainer column reads `bench/results/trainer_support.json` (written
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
-from _generated import write_or_check
-
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "tests/plans/results/coverage.json"
 TRAINER = ROOT / "bench/results/trainer_support.json"
-README = ROOT / "README.md"
-BEGIN, END = "<!-- plan-coverage:begin -->", "<!-- plan-coverage:end -->"
 
 
 def _mark(value: object) -> str:
@@ -60,27 +57,20 @@ def render(results: dict, trainer: dict | None) -> str:
     return "\n".join(lines)
 
 
-def _readme_with(table: str) -> str:
-    text = README.read_text(encoding="utf-8")
-    a, b = text.index(BEGIN) + len(BEGIN), text.index(END)
-    return text[:a] + "\n" + table + "\n" + text[b:]
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--run", action="store_true", help="run tests/plans first to record fresh results")
-    parser.add_argument("--check", action="store_true", help="only check that README holds the recorded table")
+    parser.add_argument("--check", action="store_true", help="only check that the docs hold the recorded tables")
     args = parser.parse_args(argv)
     if args.run:
         env = {**os.environ, "RESHARD_COVERAGE_OUT": str(RESULTS)}
         rc = subprocess.call([sys.executable, "-m", "pytest", "tests/plans", "-q"], cwd=ROOT, env=env)
         if rc != 0:
-            print("tests/plans failed; README not updated", file=sys.stderr)
+            print("tests/plans failed; the docs not updated", file=sys.stderr)
             return rc
-    results = json.loads(RESULTS.read_text(encoding="utf-8"))
-    trainer = json.loads(TRAINER.read_text(encoding="utf-8")) if TRAINER.is_file() else None
-    return write_or_check(README, _readme_with(render(results, trainer)), check=args.check,
-                          done=f"README: coverage table of {len(results['architectures'])} architectures")
+    import gen_docs  # beside this script; it imports `render` from here
+
+    return gen_docs.main(["--check"] if args.check else [])
 
 
 if __name__ == "__main__":

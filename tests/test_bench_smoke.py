@@ -21,6 +21,7 @@ from bench.targets import evaluate
 MiB = 1 << 20
 
 
+@pytest.mark.multiproc
 def test_sampler_sums_rss_anon_over_the_process_tree() -> None:
     alloc = "import time; b = bytearray(48 << 20); b[::4096] = b'x' * len(b[::4096]); time.sleep(0.4)"
     one = run_command("one", [sys.executable, "-c", alloc])
@@ -30,11 +31,13 @@ def test_sampler_sums_rss_anon_over_the_process_tree() -> None:
     assert two.peak_rss_anon >= 96 * MiB
 
 
+@pytest.mark.multiproc
 def test_failed_command_raises_with_its_stderr() -> None:
     with pytest.raises(RuntimeError, match="boom"):
         run_command("bad", [sys.executable, "-c", "import sys; sys.exit('boom')"])
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize("tp", [2, 4])
 def test_baseline_scripts_write_the_same_tensors_as_reshard(tmp_path: Path, tp: int) -> None:
     from reshard.io.sources import open_source
@@ -56,6 +59,7 @@ def test_baseline_scripts_write_the_same_tensors_as_reshard(tmp_path: Path, tp: 
                 assert torch.equal(ours[k], theirs[k]), (method, rank, k)
 
 
+@pytest.mark.multiproc
 def test_interleaved_write_comparison_produces_results(tmp_path: Path) -> None:
     src = data.checkpoint("tiny", root=tmp_path / "data")
     assert (src / "model.safetensors.index.json").exists()

@@ -13,6 +13,8 @@ from safetensors.torch import load_file
 from reshard.errors import CheckpointError
 from reshard.testing.synth import llama_config, make_checkpoint, split_into_files, state_dict_shapes
 
+pytestmark = pytest.mark.pure
+
 MODEL_TYPES = ["llama", "mistral", "qwen2", "qwen3", "gemma", "phi3"]
 
 

@@ -1,1 +1,1 @@
-"""Tier-1 tests of the reshard core: formats, rules, plans, the stream and the writer (CPU only)."""
+"""Tests of the reshard core: formats, rules, plans, the stream and the writer (CPU only)."""

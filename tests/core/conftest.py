@@ -1,4 +1,4 @@
-"""Fixtures for the core tests; the helpers themselves live in `helpers.py`."""
+"""Fixtures for the core tests; the helpers themselves live in `tests/support/core.py`."""
 
 from __future__ import annotations
 

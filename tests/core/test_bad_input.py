@@ -35,8 +35,7 @@ from reshard.plan.planner import make_plan
 from reshard.plan.types import check_tp
 from reshard.rules.manifest import Manifest
 from reshard.testing.synth import llama_config, make_checkpoint
-
-from .helpers import (
+from tests.support.core import (
     assert_one_error_line,
     entry,
     raw_safetensors,
@@ -455,10 +454,12 @@ def _(tmp: Path) -> Source:
 
 # --- running the cases ---------------------------------------------------------------------------------------
 
+@pytest.mark.pure
 def test_there_are_enough_cases() -> None:
     assert len(CASES) >= 30
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize("build, cls, needles", CASES)
 def test_library_raises_exact_error(tmp_path: Path, build: Callable[[Path], Source], cls: type, needles: tuple) -> None:
     src = build(tmp_path)
@@ -478,6 +479,7 @@ CLI_CASES = [pytest.param("write", *c.values, id=f"write-{c.id}") for c in CASES
 ]
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize("command, build, cls, needles", CLI_CASES)
 def test_cli_fails_with_one_line_and_writes_nothing(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], build: Callable[[Path], Source], cls: type,
@@ -497,6 +499,7 @@ def test_cli_fails_with_one_line_and_writes_nothing(
     assert not out.exists()
 
 
+@pytest.mark.multiproc
 def test_real_process_prints_no_traceback(tmp_path: Path) -> None:
     """The installed entry point, not just `main()`: one line on stderr, exit 1, no output directory."""
     ckpt = write_file(tmp_path / "ckpt" / "model.safetensors", raw_safetensors(F32_22, b"\0" * 10)).parent
@@ -509,6 +512,7 @@ def test_real_process_prints_no_traceback(tmp_path: Path) -> None:
 
 # --- warnings, direct API checks --------------------------------------------------------------------------
 
+@pytest.mark.pure
 def test_rule_matching_nothing_is_a_warning_without_strict(tmp_path: Path,
                                                            capsys: pytest.CaptureFixture[str]) -> None:
     src = _with_rules(tmp_path, "rules:\n  - {pattern: 'nothing.*', kind: column}\n"
@@ -523,6 +527,7 @@ def test_rule_matching_nothing_is_a_warning_without_strict(tmp_path: Path,
     assert rc == 1 and "matches no tensor" in err
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize(
     "tp, rank, message",
     [
@@ -546,6 +551,7 @@ def test_check_tp(tp: object, rank: object, message: str) -> None:
     check_tp(4096, 4095)  # the limits themselves are fine
 
 
+@pytest.mark.pure
 def test_make_plan_rejects_bad_tp_and_rank(tmp_path: Path) -> None:
     ckpt = Checkpoint.open(save_checkpoint(tmp_path / "c", {"a": torch.zeros(4)}))
     manifest = Manifest.from_dict({"rules": []})
@@ -555,6 +561,7 @@ def test_make_plan_rejects_bad_tp_and_rank(tmp_path: Path) -> None:
     assert [r.rank for r in make_plan(ckpt, manifest, 4096, ranks=[4095]).ranks] == [4095]
 
 
+@pytest.mark.pure
 def test_parse_header_truncated_blob() -> None:
     """A header blob shorter than its declared length (the file itself is long enough)."""
     blob = valid_file_bytes()
@@ -564,6 +571,7 @@ def test_parse_header_truncated_blob() -> None:
     assert str(e.value) == f"x.safetensors: header truncated: 12 of {n} bytes"
 
 
+@pytest.mark.pure
 def test_valid_edge_cases_are_accepted(tmp_path: Path) -> None:
     """Not everything odd is an error: zero tensors, zero-size tensors, null metadata, padding spaces."""
     cases = {

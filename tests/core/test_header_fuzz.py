@@ -20,8 +20,9 @@ from bench.moe_data import moe_checkpoint
 from reshard.errors import ReshardError
 from reshard.format import headers
 from reshard.format.checkpoint import DTYPE_SIZES, parse_header, read_header
+from tests.support.core import raw_safetensors
 
-from .helpers import raw_safetensors
+pytestmark = pytest.mark.pure
 
 FUZZ = settings(max_examples=300, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 TORCH_OK = ["F32", "F16", "BF16", "I64", "I32", "I16", "I8", "U8", "BOOL", "F64", "F8_E4M3", "F8_E5M2"]

@@ -19,8 +19,9 @@ from reshard.io.writer import write_shards
 from reshard.plan.planner import make_plan
 from reshard.plan.types import rank_file_name
 from reshard.rules.manifest import Manifest
+from tests.support.core import assert_same, bits, head_chunk, packed_chunk, random_tensor, save_checkpoint
 
-from .helpers import assert_same, bits, head_chunk, packed_chunk, random_tensor, save_checkpoint
+pytestmark = pytest.mark.pure
 
 NQ, NKV, HD, HIDDEN = 8, 2, 3, 4
 

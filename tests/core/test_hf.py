@@ -18,8 +18,9 @@ from transformers import __version__ as TRANSFORMERS
 from reshard.format.checkpoint import Checkpoint
 from reshard.plan.types import rank_file_name
 from reshard.testing.synth import llama_config, make_checkpoint
+from tests.support.core import assert_same, even_chunk, head_chunk, padded_chunk, run_cli, sha256_file
 
-from .helpers import assert_same, even_chunk, head_chunk, padded_chunk, run_cli, sha256_file
+pytestmark = pytest.mark.pure
 
 SIZES = {"vocab_size": 250, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
          "num_attention_heads": 4, "num_key_value_heads": 2}

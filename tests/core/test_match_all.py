@@ -4,12 +4,15 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from reshard.plan.planner import resolve_rules
 from reshard.rules.manifest import Manifest, Rule
 from reshard.rules.quant.rules import FollowRule
+
+pytestmark = pytest.mark.pure
 
 PARTS = ["a", "b", ".", "*", "?", "[ab]", "[!a]", "1"]
 REGEXES = [r"a.*", r"(a|b)+\.1", r"(?P<x>a)(?P=x).*", r"(a)\1b?", r"(?i)A.*", r"[ab]{2,}", r"a|b", r".*\.b", r"b$"]

@@ -11,10 +11,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import save_file
 
 from reshard.io.stream import CHUNK
+
+pytestmark = pytest.mark.multiproc
 
 REPO = Path(__file__).resolve().parents[2]
 MiB = 1 << 20

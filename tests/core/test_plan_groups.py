@@ -29,8 +29,9 @@ from reshard.io.stream import RankStream
 from reshard.io.writer import write_shards
 from reshard.plan.planner import make_plan
 from reshard.testing.synth import llama_config, make_checkpoint
+from tests.support.plan_reference import _extent, plan_digest, reference_plan
 
-from .plan_reference import _extent, plan_digest, reference_plan
+pytestmark = pytest.mark.pure
 
 DIGESTS = json.loads((Path(__file__).parent / "data" / "moe_plan_digests.json").read_text())
 

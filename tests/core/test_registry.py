@@ -24,8 +24,9 @@ from reshard.plan.types import rank_file_name
 from reshard.rules import kinds as loaders
 from reshard.rules.kinds import SliceLoader, known_kinds, loader_for, register_loader, split_interval
 from reshard.rules.manifest import Manifest, Rule
+from tests.support.core import assert_same, random_tensor, run_cli, save_checkpoint
 
-from .helpers import assert_same, random_tensor, run_cli, save_checkpoint
+pytestmark = pytest.mark.pure
 
 KIND = "test_rows_reversed"
 BUILTIN_KINDS = ["column", "packed_column", "replicate", "row", "vocab_embed"]

@@ -20,6 +20,8 @@ from reshard.io.writer import write_shards
 from reshard.plan.planner import make_plan
 from reshard.plan.reads import Interleave
 
+pytestmark = pytest.mark.pure
+
 RULES = """rules:
   - {pattern: "*.col.weight", kind: column}
   - {pattern: "*.row.weight", kind: row}

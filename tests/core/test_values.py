@@ -23,8 +23,7 @@ from reshard.plan.planner import make_plan
 from reshard.plan.types import rank_file_name
 from reshard.rules.kinds import loader_for
 from reshard.rules.manifest import Manifest, Rule
-
-from .helpers import (
+from tests.support.core import (
     assert_same,
     bits,
     even_chunk,
@@ -35,6 +34,8 @@ from .helpers import (
     save_checkpoint,
     sha256_file,
 )
+
+pytestmark = pytest.mark.pure
 
 DTYPES = {
     "float32": torch.float32,

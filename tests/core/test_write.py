@@ -26,8 +26,7 @@ from reshard.plan.planner import make_plan
 from reshard.plan.types import plan_to_json, rank_file_name
 from reshard.rules.manifest import Manifest
 from reshard.testing.synth import llama_config, make_checkpoint
-
-from .helpers import assert_same, run_cli, sha256_file
+from tests.support.core import assert_same, run_cli, sha256_file
 
 REPO = Path(__file__).resolve().parents[2]
 SIZES = {"vocab_size": 250, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
@@ -62,6 +61,7 @@ def strided_ckpt(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Manife
     return root, manifest
 
 
+@pytest.mark.pure
 def test_plan_sizes_header_and_offsets_match_written_files(hf_ckpt: Path, tmp_path: Path) -> None:
     ckpt, manifest = open_source(hf_ckpt)
     plan = make_plan(ckpt, manifest, 4)
@@ -88,6 +88,7 @@ def test_plan_sizes_header_and_offsets_match_written_files(hf_ckpt: Path, tmp_pa
                 assert (tuple(sl.get_shape()), sl.get_dtype()) == (t.shape, t.dtype)
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize("tp", [2, 4], ids=lambda tp: f"tp{tp}")
 def test_stream_from_any_offset_equals_file_bytes(strided_ckpt: tuple[Path, Manifest], tmp_path: Path,
                                                   tp: int) -> None:
@@ -115,6 +116,7 @@ def test_stream_from_any_offset_equals_file_bytes(strided_ckpt: tuple[Path, Mani
                 next(stream.chunks(0, size + 1))
 
 
+@pytest.mark.multiproc
 def test_two_writes_and_another_process_are_byte_identical(hf_ckpt: Path, tmp_path: Path,
                                                            capsys: pytest.CaptureFixture[str]) -> None:
     for out in ("a", "b"):
@@ -137,6 +139,7 @@ def test_two_writes_and_another_process_are_byte_identical(hf_ckpt: Path, tmp_pa
     assert rc == 0 and {n: (tmp_path / "a" / n).read_bytes() for n in names} == before
 
 
+@pytest.mark.pure
 def test_source_changed_after_planning_fails_and_leaves_nothing(strided_ckpt: tuple[Path, Manifest],
                                                                 tmp_path: Path) -> None:
     root, manifest = strided_ckpt
@@ -152,6 +155,7 @@ def test_source_changed_after_planning_fails_and_leaves_nothing(strided_ckpt: tu
     assert list((tmp_path / "out").iterdir()) == []
 
 
+@pytest.mark.multiproc
 def test_killed_write_leaves_no_partial_file_and_rerun_completes(tmp_path: Path,
                                                                  capsys: pytest.CaptureFixture[str]) -> None:
     """SIGKILL mid-write: only a temp file is left (never a final name); a rerun cleans it and finishes."""

@@ -9,10 +9,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
 from reshard.format.checkpoint import Checkpoint
+
+pytestmark = pytest.mark.e2e
 
 RESHARD = [sys.executable, "-m", "reshard.cli"]
 

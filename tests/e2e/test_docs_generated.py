@@ -14,6 +14,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
 gen_docs = importlib.import_module("gen_docs")
 
+pytestmark = pytest.mark.pure  # in-process: settings classes, parsers and results files only
+
 
 @pytest.mark.parametrize("page", gen_docs.pages(), ids=lambda p: p.name)
 def test_generated_tables_are_current(page: Path) -> None:

@@ -34,6 +34,8 @@ FENCE = re.compile(r"^(?:<!-- file: (?P<file>\S+) -->\n)?```(?P<lang>[\w-]*)\n(?
 PORT = re.compile(r"(:|--port |-p )(8000|9000)\b")
 SHOWN_COMMAND = re.compile(r"\s*(?:\$\s*)?(reshard|torchrun|curl)\s")
 
+pytestmark = pytest.mark.e2e
+
 
 @dataclass
 class Block:

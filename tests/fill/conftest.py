@@ -4,7 +4,6 @@ root, a real `reshard serve` on it, and the shard directories and broken files t
 from __future__ import annotations
 
 import shutil
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -12,9 +11,8 @@ from typing import Any
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "service"))
-from _live import LiveServer, live_server  # noqa: E402
-from fill_checks import SMALL  # noqa: E402
+from tests.support.fill_checks import SMALL
+from tests.support.live import LiveServer, live_server
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")

@@ -13,12 +13,12 @@ from typing import Any
 import httpx
 import pytest
 import torch
-from fill_checks import SMALL, hf_tp_job, ids_for, run_distributed, torch_tp_job
 from safetensors import safe_open
 
 import reshard
 from reshard.errors import PlanError
 from reshard.fill.experts import expert_views, shard_layout
+from tests.support.fill_checks import SMALL, hf_tp_job, ids_for, run_distributed, torch_tp_job
 
 transformers = pytest.importorskip("transformers")
 
@@ -50,6 +50,7 @@ def hf_results(fill_root: Path, fill_server: Any) -> list[dict[str, Any]]:
     return run_distributed(hf_tp_job, TP, cases, fill_server.url, timeout=300.0)
 
 
+@pytest.mark.servers
 @pytest.mark.parametrize("name", ["llama", "moe"])
 def test_transformers_tp_logits_equal_from_pretrained(hf_results: list[dict[str, Any]], name: str) -> None:
     for rank in range(TP):
@@ -58,6 +59,7 @@ def test_transformers_tp_logits_equal_from_pretrained(hf_results: list[dict[str,
         assert r["dtensors"] == r["ref_dtensors"] > 0
 
 
+@pytest.mark.servers
 @pytest.mark.parametrize("name", ["llama", "moe"])
 def test_each_rank_pulls_its_half(hf_results: list[dict[str, Any]], fill_root: Path, fill_server: Any,
                                   name: str) -> None:
@@ -78,6 +80,7 @@ def test_each_rank_pulls_its_half(hf_results: list[dict[str, Any]], fill_root: P
         assert r["bytes"] - _header_len(fill_server, name, rank) == (full - replicated) // TP + replicated
 
 
+@pytest.mark.servers
 def test_moe_experts_fill_fused_parameters_with_casts(hf_results: list[dict[str, Any]]) -> None:
     for rank in range(TP):
         moe, llama = hf_results[rank]["moe"], hf_results[rank]["llama"]
@@ -94,6 +97,7 @@ def torch_results(fill_root: Path, fill_server: Any, llama_shards: dict[str, Pat
                            str(llama_shards["tp2"]), str(llama_shards["truncated"]), timeout=300.0)
 
 
+@pytest.mark.servers
 def test_parallelize_module_outputs_equal_unsharded(torch_results: list[dict[str, Any]],
                                                     llama_shards: dict[str, Path]) -> None:
     for rank in range(TP):
@@ -103,6 +107,7 @@ def test_parallelize_module_outputs_equal_unsharded(torch_results: list[dict[str
         assert r["served"] == r["bytes"] == size
 
 
+@pytest.mark.servers
 def test_wrong_tp_or_rank_is_refused_untouched(torch_results: list[dict[str, Any]]) -> None:
     for rank in range(TP):
         r = torch_results[rank]
@@ -113,6 +118,7 @@ def test_wrong_tp_or_rank_is_refused_untouched(torch_results: list[dict[str, Any
         assert r["untouched"]
 
 
+@pytest.mark.servers
 def test_layout_mismatch_is_one_error_naming_both_layouts(torch_results: list[dict[str, Any]]) -> None:
     for rank in range(TP):
         r = torch_results[rank]
@@ -135,6 +141,7 @@ def test_layout_mismatch_is_one_error_naming_both_layouts(torch_results: list[di
         assert r["swapped_q_untouched"] and r["reversed_mesh_untouched"] and r["one_layer_untouched"]
 
 
+@pytest.mark.servers
 def test_truncated_stream_says_what_was_filled(torch_results: list[dict[str, Any]],
                                                llama_shards: dict[str, Path]) -> None:
     r = torch_results[0]
@@ -149,6 +156,7 @@ def test_truncated_stream_says_what_was_filled(torch_results: list[dict[str, Any
 
 # --- one process --------------------------------------------------------------------------------
 
+@pytest.mark.pure
 def test_plain_model_from_a_directory_and_a_rank_file(fill_root: Path, llama_shards: dict[str, Path]) -> None:
     """tp=1: transformers' model on meta (no distribution), filled from a directory, then from a rank file."""
     full = transformers.AutoModelForCausalLM.from_pretrained(fill_root / "llama").eval()
@@ -162,6 +170,7 @@ def test_plain_model_from_a_directory_and_a_rank_file(fill_root: Path, llama_sha
             assert torch.equal(model(input_ids=ids).logits, full(input_ids=ids).logits)
 
 
+@pytest.mark.pure
 def test_expert_views_follow_transformers_conversion_mapping(fill_root: Path) -> None:
     """Each per-expert tensor's view is the block transformers' own loading puts it in."""
     model = transformers.AutoModelForCausalLM.from_pretrained(fill_root / "moe", dtype=torch.float32)
@@ -176,6 +185,7 @@ def test_expert_views_follow_transformers_conversion_mapping(fill_root: Path) ->
         assert v.view.untyped_storage().data_ptr() == state[v.param].untyped_storage().data_ptr()
 
 
+@pytest.mark.pure
 def test_renamed_and_fused_mixtral_experts(save_hf_ckpt: Any, tmp_path: Path) -> None:
     """Mixtral's checkpoint says `block_sparse_moe.experts.E.w1/w3/w2`; transformers renames and fuses
     them into `mlp.experts.gate_up_proj`/`down_proj`; fill_model follows the same mapping."""
@@ -197,6 +207,7 @@ def test_renamed_and_fused_mixtral_experts(save_hf_ckpt: Any, tmp_path: Path) ->
         assert torch.equal(model(input_ids=ids).logits, full(input_ids=ids).logits)
 
 
+@pytest.mark.pure
 def test_a_shard_missing_an_expert_is_refused(fill_root: Path, tmp_path: Path) -> None:
     """A model with 5 experts per layer, a shard of a 4-expert checkpoint: the fused parameters are
     only partly covered, which is said, and nothing is filled."""

@@ -13,10 +13,11 @@ from typing import Any
 
 import httpx
 import pytest
-from _hard import raw_http, tree, verbose_server, wait_for
-from _live import LiveServer, make_ckpt
 
-pytestmark = pytest.mark.timeout(120)
+from tests.support.hard import raw_http, tree, verbose_server, wait_for
+from tests.support.live import LiveServer, make_ckpt
+
+pytestmark = [pytest.mark.servers, pytest.mark.timeout(120)]
 
 TOKEN = "tok-7f3a-SECRET-91c2"
 GOOD = {"Authorization": f"Bearer {TOKEN}"}

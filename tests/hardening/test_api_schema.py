@@ -10,7 +10,6 @@ from typing import Any
 
 import pytest
 import schemathesis
-from _live import make_ckpt
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from schemathesis import GenerationMode
@@ -24,8 +23,9 @@ from schemathesis.specs.openapi.checks import (
 )
 
 from reshard.service import Settings, create_app
+from tests.support.live import make_ckpt
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.pure, pytest.mark.timeout(300)]
 
 TOKEN = "schema-t0ken"
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_headers_conformance,

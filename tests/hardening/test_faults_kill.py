@@ -17,12 +17,12 @@ from typing import Any
 
 import httpx
 import pytest
-from _hard import live_server, metric, wait_for
-from _live import REPO, LiveServer, make_ckpt
 
 from reshard.io.outfs import TMP_PREFIX
 from reshard.io.writer import MANIFEST_NAME
 from reshard.plan.types import rank_file_name
+from tests.support.hard import live_server, metric, wait_for
+from tests.support.live import REPO, LiveServer, make_ckpt
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -99,6 +99,7 @@ def check_consistent(out: Path, allowed: dict[str, set[bytes]]) -> dict[str, byt
     return finals
 
 
+@pytest.mark.multiproc
 def test_write_killed_at_random_points(versions: dict[str, Any]) -> None:
     """An older version sits in the output directory; writing the new one is SIGKILLed five times at
     random points of its progress; each time the directory is consistent; a last run completes."""
@@ -174,6 +175,7 @@ def _check_outputs(job: dict[str, Any], versions: dict[str, Any]) -> None:
         assert (out_dir / MANIFEST_NAME).exists() and sorted(Path(p).name for p in job["outputs"]) == sorted(allowed)
 
 
+@pytest.mark.servers
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["sigkill", "sigterm"])
 def test_jobs_of_a_stopped_server_are_reported_failed(versions: dict[str, Any], tmp_path: Path,
                                                       sig: signal.Signals) -> None:

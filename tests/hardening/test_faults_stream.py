@@ -20,14 +20,14 @@ from typing import Any
 
 import httpx
 import pytest
-from _hard import ThrottledProxy, fd_count, live_server, metric, process_tree, rss_anon, wait_for
-from _live import BIG, REPO, LiveServer, make_ckpt
 
 from reshard.errors import IntegrityError
 from reshard.io.client import ShardClient
 from reshard.plan.types import rank_file_name
+from tests.support.hard import ThrottledProxy, fd_count, live_server, metric, process_tree, rss_anon, wait_for
+from tests.support.live import BIG, REPO, LiveServer, make_ckpt
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.servers, pytest.mark.timeout(180)]
 
 
 def _host_port(url: str) -> tuple[str, int]:

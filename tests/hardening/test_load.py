@@ -15,10 +15,10 @@ from typing import Any
 
 import httpx
 import pytest
-from _hard import metric
-from _live import LiveServer
 
 from reshard.plan.types import rank_file_name
+from tests.support.hard import metric
+from tests.support.live import LiveServer
 
 LOAD_SECONDS = float(os.environ.get("RESHARD_LOAD_SECONDS", "60"))
 CLIENTS = 32
@@ -27,7 +27,7 @@ CLIENTS = 32
 RSS_HEADROOM = 128 << 20
 CKPTS = {"llama": (1, 2, 4), "qwen2": (1, 2)}
 
-pytestmark = pytest.mark.timeout(LOAD_SECONDS + 120)
+pytestmark = [pytest.mark.servers, pytest.mark.timeout(LOAD_SECONDS + 120)]
 
 
 @dataclass

@@ -12,10 +12,10 @@ from typing import Any
 
 import httpx
 import pytest
-from _hard import live_server, raw_http, tree
-from _live import LiveServer, make_ckpt
 
 from reshard.plan.types import rank_file_name
+from tests.support.hard import live_server, raw_http, tree
+from tests.support.live import LiveServer, make_ckpt
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -143,6 +143,7 @@ CASES: dict[str, tuple[tuple[str, bytes], int, str, str]] = {
 }
 
 
+@pytest.mark.pure
 def test_the_corpus_is_big_enough() -> None:
     assert len(CASES) >= 30
 
@@ -156,6 +157,7 @@ def _split(answer: bytes) -> tuple[dict[str, str], bytes]:
     return headers, body
 
 
+@pytest.mark.servers
 @pytest.mark.parametrize("case", list(CASES))
 def test_bad_request(corpus_server: tuple[LiveServer, Path, Path], case: str) -> None:
     srv, _, base = corpus_server
@@ -176,6 +178,7 @@ def test_bad_request(corpus_server: tuple[LiveServer, Path, Path], case: str) ->
     assert httpx.get(srv.url + "/healthz", timeout=10).json()["status"] == "ok"
 
 
+@pytest.mark.servers
 @pytest.mark.parametrize("value", ["bytes=abc", "bytes=0-1,5-6", "bytes=9-3", "items=0-5", "bytes=-", "bytes=\xe9-1",
                                   "bytes 0-5", "bytes=--5"])
 def test_unsupported_range_is_ignored_with_the_full_body(corpus_server: tuple[LiveServer, Path, Path],
@@ -188,6 +191,7 @@ def test_unsupported_range_is_ignored_with_the_full_body(corpus_server: tuple[Li
     assert int(headers["content-length"]) == len(reference) and body == reference
 
 
+@pytest.mark.servers
 def test_satisfiable_ranges_still_answer_206(corpus_server: tuple[LiveServer, Path, Path], reference: bytes) -> None:
     srv, _, _ = corpus_server
     n = len(reference)
@@ -214,6 +218,7 @@ PULL_CASES = {
 }
 
 
+@pytest.mark.servers
 @pytest.mark.parametrize("case", list(PULL_CASES))
 def test_cli_pull_fails_with_one_line(corpus_server: tuple[LiveServer, Path, Path], tmp_path: Path,
                                       capsys: pytest.CaptureFixture[str], case: str) -> None:
@@ -233,10 +238,10 @@ def test_cli_pull_fails_with_one_line(corpus_server: tuple[LiveServer, Path, Pat
     assert httpx.get(srv.url + "/healthz", timeout=10).status_code == 200
 
 
+@pytest.mark.pure
 def test_cli_pull_unreachable_server(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from _live import free_port
-
     from reshard.cli import main
+    from tests.support.live import free_port
 
     url = f"http://127.0.0.1:{free_port()}/v1/checkpoints/llama"
     rc = main(["pull", url, "--rank", "0", "--tp", "1", "-o", str(tmp_path / "x.safetensors"), "--retries", "0"])

@@ -9,11 +9,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from _fs import KINDS, TP, Mount, MountError, get_mount
 
 from reshard.testing.synth import llama_config, make_checkpoint
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "service"))  # _live: a real `reshard serve`
+from tests.support.fs import KINDS, TP, Mount, MountError, get_mount
 
 SIZE_MB = 24
 

@@ -15,6 +15,8 @@ from reshard import errors
 from reshard.cli.commands import rank_list
 from reshard.io.outfs import check_space, output_error, output_errors
 
+pytestmark = pytest.mark.pure
+
 CASES = [
     (errno.ENOSPC, errors.NoSpaceError, 507, "no space left on device", "free some space or write elsewhere"),
     (errno.EDQUOT, errors.QuotaError, 507, "disk quota exceeded", "free some of your files there"),

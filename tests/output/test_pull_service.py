@@ -12,11 +12,23 @@ from typing import Any
 
 import httpx
 import pytest
-from _fs import KINDS, TP, Mount, get_mount, leftovers, listing, reshard
-from _live import CuttingProxy, LiveServer, live_server
-from test_write_merge import RANK0, RANK1, assert_clean
 
 from reshard.io.writer import MANIFEST_NAME
+from tests.support.fs import (
+    KINDS,
+    RANK0,
+    RANK1,
+    TP,
+    Mount,
+    assert_clean,
+    get_mount,
+    leftovers,
+    listing,
+    reshard,
+)
+from tests.support.live import CuttingProxy, LiveServer, live_server
+
+pytestmark = pytest.mark.servers
 
 NAME = "ck"
 

@@ -16,11 +16,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _fs import KINDS, TP, Mount, get_mount, leftovers, listing
-from test_write_merge import RANK1
 
 from reshard.errors import NoSpaceError, OutputPathError, ReadOnlyError
 from reshard.plan.types import rank_file_name
+from tests.support.fs import KINDS, RANK1, TP, Mount, get_mount, leftovers, listing
+
+pytestmark = pytest.mark.multiproc
 
 REPO = Path(__file__).resolve().parents[2]
 SOLO = rank_file_name(0, 1)

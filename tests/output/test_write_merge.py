@@ -5,30 +5,18 @@ to output byte-identical to an uninterrupted run."""
 from __future__ import annotations
 
 import json
-import subprocess
 import time
 from pathlib import Path
 
 import pytest
-from _fs import TP, Mount, leftovers, listing, reshard, same_tree
 
 from reshard.errors import NoSpaceError
 from reshard.io.sources import open_source
 from reshard.io.writer import PARTIAL_NAME, write_shards
 from reshard.plan.planner import make_plan
-from reshard.plan.types import rank_file_name
+from tests.support.fs import RANK0, RANK1, TP, Mount, assert_clean, leftovers, listing, reshard, same_tree
 
-RANK0, RANK1 = rank_file_name(0, TP), rank_file_name(1, TP)
-
-
-def assert_clean(r: subprocess.CompletedProcess[str], *needles: str) -> str:
-    """Exit status 1 (not a signal), one `reshard: error:` line naming each needle, no traceback."""
-    assert r.returncode == 1, (r.returncode, r.stderr)
-    lines = r.stderr.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("reshard: error: "), r.stderr
-    for needle in needles:
-        assert needle in lines[0], (needle, lines[0])
-    return lines[0]
+pytestmark = pytest.mark.multiproc
 
 
 def test_write_without_room_says_so_before_writing(fs: Mount, ckpt: Path, reference: dict[str, Path]) -> None:

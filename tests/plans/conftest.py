@@ -1,4 +1,4 @@
-"""Session fixtures of the plan tests: every architecture of `archs.py` built once, resharded once by
+"""Session fixtures of the plan tests: every architecture of `tests/support/plan_archs.py` built once, resharded once by
 `reshard write --tp 2|4` with no rules, and loaded once by transformers' own TP in ONE 2-process launch."""
 
 from __future__ import annotations
@@ -9,37 +9,19 @@ import json
 import os
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from _dist import run_distributed
 
-from plans._hf_tp import dump_hf_tp
-from plans.archs import ARCHS, Arch
 from reshard import cli
 from reshard.io.sources import open_source
+from tests.support.dist import run_distributed
+from tests.support.hf_tp import dump_hf_tp
+from tests.support.plan_archs import ARCHS, Arch, Built
 
 COVERAGE_ENV = "RESHARD_COVERAGE_OUT"  # where the session writes its per-architecture results (JSON)
-
-
-@dataclass
-class Built:
-    arch: Arch
-    ckpt: Path
-    out: dict[int, Path] = field(default_factory=dict)  # tp -> rank files dir
-    source: str = ""
-    errors: dict[str, str] = field(default_factory=dict)  # phase -> message
-
-    def hf_rank_file(self, rank: int) -> Path:
-        return self.ckpt.parent / f"hf-tp2-rank{rank}.safetensors"
-
-    def require(self, *phases: str) -> None:
-        for phase in phases:
-            if phase in self.errors:
-                pytest.fail(f"{self.arch.model_type}: {phase} failed: {self.errors[phase]}")
 
 
 def _build(arch: Arch, root: Path) -> Built:

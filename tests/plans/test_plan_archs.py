@@ -1,4 +1,4 @@
-"""Every architecture of `archs.py`, planned from config.json alone, holds on each rank what transformers' own TP holds.
+"""Every architecture of `tests/support/plan_archs.py`, planned from config.json alone, holds on each rank what transformers' own TP holds.
 
 The reference is transformers itself: the checkpoint loaded with `tp_plan="auto"` on 2 gloo ranks, each
 rank's `DTensor.to_local()`. Disk tensors that transformers fuses on load (per-expert MoE weights) are
@@ -19,16 +19,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from plans.archs import ARCHS, DENSE, MOES
-from plans.conftest import Built
 from reshard.plan.types import rank_file_name
-
-
-def _full_checkpoint(ckpt: Path) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    for p in sorted(ckpt.glob("model*.safetensors")):
-        out.update(load_file(str(p)))
-    return out
+from tests.support.plan_archs import ARCHS, DENSE, MOES, Built, full_checkpoint, same_tensor
 
 
 class HFNames:
@@ -99,16 +91,10 @@ def _blocks(name: str, config: dict[str, Any]) -> list[int] | None:
     return None
 
 
-def _same(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
-    assert got.dtype == want.dtype and tuple(got.shape) == tuple(want.shape), (what, got.dtype, want.dtype,
-                                                                               tuple(got.shape), tuple(want.shape))
-    assert torch.equal(got, want), f"{what}: values differ"
-
-
 def compare_with_transformers(built: Built, tp: int = 2) -> dict[str, Any]:
     """Compare every tensor of every rank; return what was found (for the coverage table)."""
     config = json.loads((built.ckpt / "config.json").read_text())
-    full = _full_checkpoint(built.ckpt)
+    full = full_checkpoint(built.ckpt)
     names = HFNames(built.arch.model_type)
     per_block, fused, sharded = set(), set(), set()
     for rank in range(tp):
@@ -131,20 +117,21 @@ def compare_with_transformers(built: Built, tp: int = 2) -> dict[str, Any]:
             if split is not None and theirs[mem].shape != full[name].shape:
                 dim, blocks = split
                 per_block.add(name)
-                _same(got, _per_block(full[name], blocks, rank, tp, dim), f"{name} rank {rank} (per-block split)")
-                _same(theirs[mem], torch.chunk(full[name], tp, dim=dim)[rank], f"transformers' {mem} rank {rank}")
+                same_tensor(got, _per_block(full[name], blocks, rank, tp, dim), f"{name} rank {rank} (per-block split)")
+                same_tensor(theirs[mem], torch.chunk(full[name], tp, dim=dim)[rank], f"transformers' {mem} rank {rank}")
             else:
-                _same(got, theirs[mem], f"{name} rank {rank}")
+                same_tensor(got, theirs[mem], f"{name} rank {rank}")
         for mem, (conv, pieces) in groups.items():
             fused.add(mem)
             seen.add(mem)
-            _same(_fuse(conv, pieces), theirs[mem], f"{mem} rank {rank} (rebuilt from per-expert shards)")
+            same_tensor(_fuse(conv, pieces), theirs[mem], f"{mem} rank {rank} (rebuilt from per-expert shards)")
         rest = set(theirs) - seen
         for mem in rest:  # tied heads: transformers lists lm_head, the checkpoint holds the embedding only
             assert mem.endswith("lm_head.weight") and config.get("tie_word_embeddings", True), mem
     return {"sharded": len(sharded), "per_block": sorted(per_block), "fused_experts": sorted(fused)}
 
 
+@pytest.mark.pure
 def test_enough_architectures() -> None:
     assert len(DENSE) >= 20 and len(MOES) >= 6 and len(ARCHS) >= 30
     traits = {t for a in ARCHS for t in a.traits}
@@ -152,6 +139,7 @@ def test_enough_architectures() -> None:
     assert {"mixtral", "deepseek_v3"} <= {a.model_type for a in MOES}
 
 
+@pytest.mark.multiproc
 @pytest.mark.parametrize("model_type", [a.model_type for a in ARCHS])
 def test_tp2_equals_transformers_tp(zoo: dict[str, Built], coverage: dict[str, dict[str, Any]], model_type: str) -> None:
     built = zoo[model_type]
@@ -176,6 +164,7 @@ rules:
 """
 
 
+@pytest.mark.multiproc
 def test_gpt_oss_fused_experts_by_rules_file(zoo: dict[str, Built], tmp_path: Path) -> None:
     """transformers' gpt_oss plan shards only the embedding (its experts go to expert parallelism): a rules
     file splits the fused on-disk experts, every rank holding whole (gate, up) pairs of its inter slice."""
@@ -188,26 +177,27 @@ def test_gpt_oss_fused_experts_by_rules_file(zoo: dict[str, Built], tmp_path: Pa
     ckpt = Path(shutil.copytree(built.ckpt, tmp_path / "ckpt"))
     (ckpt / "reshard-rules.yaml").write_text(GPT_OSS_RULES)
     assert cli.main(["write", str(ckpt), "--tp", "2", "-o", str(tmp_path / "out"), "--no-progress"]) == 0
-    full = _full_checkpoint(ckpt)
+    full = full_checkpoint(ckpt)
     for rank in range(2):
         got = load_file(str(tmp_path / "out" / rank_file_name(rank, 2)))
         for layer in range(2):
             pre = f"model.layers.{layer}.mlp.experts."
             gate_up, bias, down = full[pre + "gate_up_proj"], full[pre + "gate_up_proj_bias"], full[pre + "down_proj"]
             for view in (slice(0, None, 2), slice(1, None, 2)):  # gate, then up: this rank's inter slice of each
-                _same(got[pre + "gate_up_proj"][..., view], torch.chunk(gate_up[..., view], 2, dim=-1)[rank], pre)
-                _same(got[pre + "gate_up_proj_bias"][..., view], torch.chunk(bias[..., view], 2, dim=-1)[rank], pre)
-            _same(got[pre + "down_proj"], torch.chunk(down, 2, dim=1)[rank], pre + "down_proj")
-            _same(got[pre + "down_proj_bias"], full[pre + "down_proj_bias"], pre + "down_proj_bias")
+                same_tensor(got[pre + "gate_up_proj"][..., view], torch.chunk(gate_up[..., view], 2, dim=-1)[rank], pre)
+                same_tensor(got[pre + "gate_up_proj_bias"][..., view], torch.chunk(bias[..., view], 2, dim=-1)[rank], pre)
+            same_tensor(got[pre + "down_proj"], torch.chunk(down, 2, dim=1)[rank], pre + "down_proj")
+            same_tensor(got[pre + "down_proj_bias"], full[pre + "down_proj_bias"], pre + "down_proj_bias")
 
 
+@pytest.mark.multiproc
 def test_inkling_fused_gate_up_keeps_gate_and_up_paired(zoo: dict[str, Built]) -> None:
     """transformers' inkling_text plan says `colwise` for the fused experts' `gate_up_proj` `[E, 2*inter, hidden]`,
     whose forward is `gate, up = linear(x, W).chunk(2, -1)`: its Shard(1) gives rank 0 only gate rows, so the
     ranks' partial expert outputs no longer sum to the full one. reshard's per-block split does."""
     built = zoo["inkling_text"]
     built.require("build", "reshard write --tp 2", "transformers TP load")
-    full = _full_checkpoint(built.ckpt)
+    full = full_checkpoint(built.ckpt)
     pre = "model.layers.1.mlp.experts."
     torch.manual_seed(0)
     x = torch.randn(3, full[pre + "gate_up_proj"].shape[-1])

@@ -14,10 +14,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from plans.conftest import Built
-from plans.test_plan_archs import _full_checkpoint, _same
 from reshard import cli
 from reshard.plan.types import rank_file_name
+from tests.support.plan_archs import Built, full_checkpoint, same_tensor
+
+pytestmark = pytest.mark.multiproc
 
 HEAD_SPLIT = ("q_b_proj", "kv_b_proj")
 
@@ -38,17 +39,17 @@ def test_mla_split_by_heads(zoo: dict[str, Built], tmp_path: Path, monkeypatch: 
     monkeypatch.setenv("RESHARD_MLA", "heads")
     out = tmp_path / "out"
     assert cli.main(["write", str(built.ckpt), "--tp", str(tp), "-o", str(out), "--no-progress"]) == 0
-    full = _full_checkpoint(built.ckpt)
+    full = full_checkpoint(built.ckpt)
     heads = 4
     ranks = [load_file(str(out / rank_file_name(r, tp))) for r in range(tp)]
     for rank, got in enumerate(ranks):
         for layer in range(2):
             pre = f"model.layers.{layer}.self_attn."
             for leaf in HEAD_SPLIT:
-                _same(got[pre + leaf + ".weight"], _heads_chunk(full[pre + leaf + ".weight"], heads, rank, tp), leaf)
-            _same(got[pre + "o_proj.weight"], torch.chunk(full[pre + "o_proj.weight"], tp, dim=1)[rank], "o_proj")
+                same_tensor(got[pre + leaf + ".weight"], _heads_chunk(full[pre + leaf + ".weight"], heads, rank, tp), leaf)
+            same_tensor(got[pre + "o_proj.weight"], torch.chunk(full[pre + "o_proj.weight"], tp, dim=1)[rank], "o_proj")
             for leaf in ("q_a_proj", "kv_a_proj_with_mqa", "kv_a_layernorm"):
-                _same(got[pre + leaf + ".weight"], full[pre + leaf + ".weight"], leaf)
+                same_tensor(got[pre + leaf + ".weight"], full[pre + leaf + ".weight"], leaf)
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 import transformers
-from core.helpers import assert_one_error_line, run_cli
 
 from reshard.errors import ManifestError
 from reshard.rules.from_config import from_config
 from reshard.rules.tp_plans import SOURCE_ENV, live_entry, load_table, table_entry
 from reshard.rules.tp_plans.live import plan_model_types
 from reshard.testing.synth import llama_config, make_checkpoint
+from tests.support.core import assert_one_error_line, run_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 SIZES = {"vocab_size": 64, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2,
@@ -30,6 +30,7 @@ def _manifest_or_error(config: dict, names: list[str]) -> object:
         return f"error: {e}"
 
 
+@pytest.mark.pure
 def test_table_covers_every_architecture_with_a_plan(monkeypatch: pytest.MonkeyPatch) -> None:
     """The shipped table is what scripts/gen_plan_table.py makes from the installed transformers, byte for byte,
     and names every model_type whose config class declares a base_model_tp_plan."""
@@ -43,6 +44,7 @@ def test_table_covers_every_architecture_with_a_plan(monkeypatch: pytest.MonkeyP
     assert gen.main(["--check"]) == 0
 
 
+@pytest.mark.pure
 def test_table_gives_the_same_manifest_as_live_plans(monkeypatch: pytest.MonkeyPatch) -> None:
     """For every architecture: the same entry, and the same manifest (no error) from config.json (its class
     defaults) and names standing for each plan key, with transformers read live and with the table alone."""
@@ -60,6 +62,7 @@ def test_table_gives_the_same_manifest_as_live_plans(monkeypatch: pytest.MonkeyP
         assert not isinstance(got_live, str), got_live  # every architecture plans (with its config's defaults)
 
 
+@pytest.mark.multiproc
 def test_plan_names_its_source(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                monkeypatch: pytest.MonkeyPatch) -> None:
     ckpt = make_checkpoint(tmp_path / "ckpt", llama_config(model_type="mistral", **SIZES), num_files=2, seed=3)
@@ -92,6 +95,7 @@ def test_plan_names_its_source(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert (rc, err) == (0, "") and f"rules file {ckpt / 'reshard-rules.yaml'}" in out
 
 
+@pytest.mark.pure
 def test_no_plan_anywhere_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     ckpt = make_checkpoint(tmp_path / "ckpt", llama_config(model_type="llama", **SIZES), num_files=1, seed=4)
     config = json.loads((ckpt / "config.json").read_text())
@@ -101,6 +105,7 @@ def test_no_plan_anywhere_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixt
                           "reshard-rules.yaml", "--rules FILE")
 
 
+@pytest.mark.pure
 def test_unhonourable_style_names_style_key_and_architecture() -> None:
     config = {"model_type": "llama", "num_attention_heads": 4, "hidden_size": 16,
               "base_model_tp_plan": {"layers.*.mlp.up_proj": "colwise_magic"}}
@@ -109,6 +114,7 @@ def test_unhonourable_style_names_style_key_and_architecture() -> None:
         from_config(config, ["model.layers.0.mlp.up_proj.weight"])
 
 
+@pytest.mark.pure
 def test_conversion_ops_reshard_cannot_follow_are_errors() -> None:
     """A sharded parameter built from disk through an op reshard does not model (a transpose) is an error, not
     a split of the wrong dim; the same op on a replicated parameter is fine."""

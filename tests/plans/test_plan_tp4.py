@@ -9,10 +9,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from plans.archs import ARCHS
-from plans.conftest import Built
-from plans.test_plan_archs import _full_checkpoint
 from reshard.plan.types import rank_file_name
+from tests.support.plan_archs import ARCHS, Built, full_checkpoint
+
+pytestmark = pytest.mark.multiproc
 
 TP = 4
 
@@ -33,7 +33,7 @@ def test_tp4_kv_heads_replicated(zoo: dict[str, Built], coverage: dict[str, dict
     config = json.loads((built.ckpt / "config.json").read_text())
     heads = config.get("num_attention_heads") or config.get("n_head")
     kv = config.get("num_key_value_heads") or heads
-    full = _full_checkpoint(built.ckpt)
+    full = full_checkpoint(built.ckpt)
     kv_names = [n for n in full if n.endswith((".k_proj.weight", ".v_proj.weight", ".k_proj.bias", ".v_proj.bias"))]
     fused = [n for n in full if n.endswith(".qkv_proj.weight")] if model_type == "phi3" else []
     if kv_names and "reshard write --tp 2" not in built.errors:  # the plan leaves attention whole (embedding only)

@@ -2,18 +2,12 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-HERE = Path(__file__).resolve().parent
-for p in (HERE, HERE.parent, HERE.parent / "service"):  # fp8_ckpt, _dist, _live
-    if str(p) not in sys.path:
-        sys.path.insert(0, str(p))
-
-from fp8_ckpt import CASES, fp8_checkpoint, write  # noqa: E402
+from tests.support.fp8_ckpt import CASES, fp8_checkpoint, write
 
 
 @pytest.fixture(scope="session")

@@ -9,9 +9,6 @@ from typing import Any
 import httpx
 import pytest
 import torch
-from _dist import run_distributed
-from _live import live_server
-from fp8_ckpt import BLOCK_QC, ct_qc, dequantized_state, fp8_checkpoint, write
 from safetensors.torch import load_file, save_file
 
 from reshard.errors import PlanError
@@ -19,8 +16,12 @@ from reshard.io.merge import merge
 from reshard.plan.types import rank_file_name
 from reshard.testing.synth import llama_config
 from reshard.trainer import build_model, save_rank_shard
+from tests.support.dist import run_distributed
+from tests.support.fp8_ckpt import BLOCK_QC, ct_qc, dequantized_state, fp8_checkpoint, write
+from tests.support.live import live_server
 
 
+@pytest.mark.servers
 def test_service_streams_fp8_shards_byte_identical_to_write(ckpts: Path, shards: Any, tmp_path: Path) -> None:
     with live_server(ckpts, log_dir=tmp_path, chunk_size=64 << 10) as srv:
         for case, tp in (("block", 4), ("block_phi3", 2), ("tensor", 2)):
@@ -75,6 +76,7 @@ def _logits_job(rank: int, world_size: int, dirs: dict[str, str], ids: torch.Ten
     return out
 
 
+@pytest.mark.multiproc
 def test_tp2_models_from_fp8_match_the_dequantized_checkpoint(train_dirs: dict[str, Path]) -> None:
     dirs = {f"{s}-{k}": str(train_dirs[f"{s}-{k}-tp2"]) for s in TRAIN_QCS for k in ("fp8", "deq")}
     ranks = run_distributed(_logits_job, 2, dirs, IDS, timeout=300)
@@ -96,6 +98,7 @@ def test_tp2_models_from_fp8_match_the_dequantized_checkpoint(train_dirs: dict[s
             assert "pass --dtype bfloat16 or float32" in got[(f"{scheme}-fp8", "keep")]
 
 
+@pytest.mark.pure
 def test_a_model_started_from_fp8_saves_and_merges_dequantized(train_dirs: dict[str, Path], tmp_path: Path) -> None:
     model = build_model(train_dirs["block-fp8-tp1"], dtype=torch.float32)
     save_rank_shard(model, tmp_path / "saved", config=model.hf_config)
@@ -107,6 +110,7 @@ def test_a_model_started_from_fp8_saves_and_merges_dequantized(train_dirs: dict[
         assert torch.equal(merged[name], t), name
 
 
+@pytest.mark.pure
 def test_fp8_shards_without_a_recorded_block_are_refused_not_cast(train_dirs: dict[str, Path], tmp_path: Path) -> None:
     """Shards written by a rules file of plain kinds hold FP8 weights with no scale block: filling
     them would cast FP8 codes without their scales, so it is an error."""

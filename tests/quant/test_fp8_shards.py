@@ -9,7 +9,6 @@ from typing import Any
 
 import pytest
 import torch
-from fp8_ckpt import BLOCK_QC, CASES, TPS, block_of, dequant_ref, dequantized_state, fp8_checkpoint, write
 from safetensors import safe_open
 from safetensors.torch import load_file
 
@@ -21,6 +20,18 @@ from reshard.plan.planner import make_plan
 from reshard.plan.segments import tensor_selection
 from reshard.plan.types import rank_file_name
 from reshard.testing.synth import llama_config
+from tests.support.fp8_ckpt import (
+    BLOCK_QC,
+    CASES,
+    TPS,
+    block_of,
+    dequant_ref,
+    dequantized_state,
+    fp8_checkpoint,
+    write,
+)
+
+pytestmark = pytest.mark.pure
 
 
 def heads_rows(heads: int, head_dim: int, tp: int, rank: int) -> torch.Tensor:

@@ -19,7 +19,7 @@ from reshard.plan.types import plan_to_json
 from reshard.service import Settings, create_app
 from reshard.service.ranges import parse_range
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.pure, pytest.mark.timeout(120)]
 
 
 @pytest.fixture

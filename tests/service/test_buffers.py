@@ -4,8 +4,11 @@ drops every buffer nobody holds (the ones a transport still holds stay until it 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from reshard.service.buffers import ChunkPool
+
+pytestmark = pytest.mark.pure
 
 
 def _addr(view: memoryview) -> int:

@@ -10,13 +10,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _live import BIG, LiveServer
 
 from reshard.errors import IntegrityError, NotFoundError, PlanError, ReshardError
 from reshard.io.client import ShardClient
 from reshard.plan.types import rank_file_name
+from tests.support.live import BIG, LiveServer
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.servers, pytest.mark.timeout(180)]
 
 
 def test_info_plan_read_iter(server: LiveServer, written: Any) -> None:

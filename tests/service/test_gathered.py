@@ -13,8 +13,6 @@ from typing import Any
 
 import httpx
 import pytest
-from _live import BIG, LiveServer, live_server, make_ckpt
-from test_live import _raw_request, _sendfile_bytes, metric
 
 from reshard.io.sources import open_source
 from reshard.plan.planner import make_plan
@@ -22,8 +20,9 @@ from reshard.plan.reads import Interleave, Segment
 from reshard.plan.types import rank_file_name
 from reshard.service.gathered import LEAD
 from reshard.service.pump import DIRECT_MIN
+from tests.support.live import BIG, LiveServer, live_server, make_ckpt, metric, raw_request, sendfile_bytes
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.servers, pytest.mark.timeout(180)]
 TP = 2
 
 
@@ -78,7 +77,7 @@ def test_second_whole_pull_keeps_a_copy_later_pulls_send_it(root: Path, written:
             before = metric(srv, "reshard_shard_bytes_sendfile_total")
             assert http.get(url, params=params).content == want
             sent = metric(srv, "reshard_shard_bytes_sendfile_total") - before
-            assert sent == _sendfile_bytes(root / "m", TP, 1, 0, len(want)) + total
+            assert sent == sendfile_bytes(root / "m", TP, 1, 0, len(want)) + total
         assert metric(srv, 'reshard_gathered_copies_total{event="used"}') == 4
         o, n = pieces[-1]
         for a, b in [(o + 1000, o + n - 7), (o - 5, o + 3), (17, len(want) - 1)]:  # ranges in and across pieces
@@ -122,7 +121,7 @@ def test_a_pull_cut_short_publishes_nothing(root: Path) -> None:
     with live_server(root, chunk_size=256 << 10) as srv:  # the reader runs at most a few chunks ahead
         target = "/v1/checkpoints/m/shards/1?tp=2"
         httpx.get(srv.url + target, timeout=60)  # the marker
-        got = _raw_request(srv, target, read=1 << 20)  # hangs up while the copy is being written
+        got = raw_request(srv, target, read=1 << 20)  # hangs up while the copy is being written
         assert got.startswith(b"HTTP/1.1 200")
         deadline = time.monotonic() + 10
         while metric(srv, "reshard_active_streams") and time.monotonic() < deadline:

@@ -17,24 +17,27 @@ from typing import Any
 
 import httpx
 import pytest
-from _live import BIG, REPO, SMALL_CKPTS, LiveServer, live_server
 
 from reshard.io.client import ShardClient
 from reshard.plan.types import rank_file_name
+from tests.support.live import (
+    BIG,
+    REPO,
+    SMALL_CKPTS,
+    LiveServer,
+    live_server,
+    metric,
+    raw_request,
+    sendfile_bytes,
+)
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.servers, pytest.mark.timeout(180)]
 
 CASES = [(name, tp) for name, (_, tps) in SMALL_CKPTS.items() for tp in tps]
 
 
 def shard_url(srv: LiveServer, name: str, rank: int) -> str:
     return f"{srv.ckpt_url(name)}/shards/{rank}"
-
-
-def metric(srv: LiveServer, line_prefix: str) -> float:
-    text = httpx.get(srv.url + "/metrics", headers=srv.headers()).text
-    values = [float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines() if ln.startswith(line_prefix)]
-    return sum(values)
 
 
 @pytest.mark.parametrize("name,tp", CASES, ids=[f"{n}-tp{t}" for n, t in CASES])
@@ -134,25 +137,6 @@ def test_concurrent_pulls_byte_correct_and_memory_bounded(server: LiveServer, wr
     assert metric(server, "reshard_active_streams") == 0
 
 
-def _sendfile_bytes(ckpt: Path, tp: int, rank: int, lo: int, hi: int) -> int:
-    """Bytes of [lo, hi) of the rank file in contiguous ranges of a source file at least DIRECT_MIN
-    long (within [lo, hi)): what the server should hand to sendfile, from the plan's segments."""
-    from reshard.io.sources import open_source
-    from reshard.plan.planner import make_plan
-    from reshard.service.pump import DIRECT_MIN
-
-    src, manifest = open_source(ckpt)
-    rp = make_plan(src, manifest, tp).ranks[rank]
-    pos, total = len(rp.header), 0
-    for t in rp.tensors:
-        for seg in t.segments:
-            part = min(hi, pos + seg.nbytes) - max(lo, pos)  # the piece's bytes inside [lo, hi)
-            if getattr(seg, "contiguous", False) and seg.file is not None and part >= DIRECT_MIN:
-                total += part
-            pos += seg.nbytes
-    return total
-
-
 def test_contiguous_ranges_go_out_by_sendfile(server: LiveServer, ckpt_root: Path, written: Any) -> None:
     """Once a shard's digest is known, its contiguous source ranges are sent by the kernel (whole
     bodies and ranges alike), with the same bytes; `--no-zero-copy` sends none that way."""
@@ -161,7 +145,7 @@ def test_contiguous_ranges_go_out_by_sendfile(server: LiveServer, ckpt_root: Pat
     want = (written(BIG, 2) / rank_file_name(1, 2)).read_bytes()
     url, params = shard_url(server, "fresh-sendfile", 1), {"tp": 2}
     httpx.get(url + "/digest", params=params, timeout=60)
-    expected = _sendfile_bytes(ckpt_root / BIG, 2, 1, 0, len(want))
+    expected = sendfile_bytes(ckpt_root / BIG, 2, 1, 0, len(want))
     assert expected > len(want) // 2
     before = metric(server, "reshard_shard_bytes_sendfile_total")
     assert httpx.get(url, params=params, timeout=60).content == want
@@ -170,7 +154,7 @@ def test_contiguous_ranges_go_out_by_sendfile(server: LiveServer, ckpt_root: Pat
     before = metric(server, "reshard_shard_bytes_sendfile_total")
     r = httpx.get(url, params=params, headers={"Range": f"bytes={a}-{b}"}, timeout=60)
     assert r.status_code == 206 and r.content == want[a : b + 1]
-    assert metric(server, "reshard_shard_bytes_sendfile_total") - before == _sendfile_bytes(ckpt_root / BIG, 2, 1, a, b + 1)
+    assert metric(server, "reshard_shard_bytes_sendfile_total") - before == sendfile_bytes(ckpt_root / BIG, 2, 1, a, b + 1)
     with live_server(ckpt_root, zero_copy=False) as copying:
         curl = httpx.get(shard_url(copying, BIG, 1), params=params, timeout=60)
         assert curl.content == want
@@ -195,18 +179,6 @@ def test_first_download_fills_the_digest_cache(server: LiveServer, ckpt_root: Pa
     assert head.headers["x-reshard-sha256"] == hashlib.sha256(want).hexdigest()
 
 
-def _raw_request(srv: LiveServer, target: str, *, read: int = 0) -> bytes:
-    host, port = srv.url.removeprefix("http://").split(":")
-    with socket.create_connection((host, int(port)), timeout=10) as s:
-        s.sendall(f"GET {target} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode())
-        got = b""
-        while chunk := s.recv(65536):
-            got += chunk
-            if read and len(got) >= read:
-                break
-        return got
-
-
 @pytest.mark.parametrize("path", ["hashing", "sendfile"])
 def test_client_disconnect_mid_stream(server: LiveServer, ckpt_root: Path, path: str) -> None:
     """Clients that hang up mid-body: the stream ends, its files close. A fresh copy's digest is
@@ -220,7 +192,7 @@ def test_client_disconnect_mid_stream(server: LiveServer, ckpt_root: Path, path:
     sendfile0 = metric(server, "reshard_shard_bytes_sendfile_total")
     streams0 = metric(server, 'reshard_shard_streams_total{outcome="disconnected"}')
     for _ in range(3):
-        got = _raw_request(server, target, read=1 << 20)
+        got = raw_request(server, target, read=1 << 20)
         assert got.startswith(b"HTTP/1.1 200")
     deadline = time.monotonic() + 10
     while metric(server, "reshard_active_streams") and time.monotonic() < deadline:
@@ -264,7 +236,7 @@ def test_source_changing_mid_stream_cuts_the_body(server: LiveServer, ckpt_root:
     "/v1/checkpoints/llama/files/..%2F..%2Fx.safetensors",
 ])
 def test_raw_path_escapes(server: LiveServer, target: str) -> None:
-    status = int(_raw_request(server, target).split(b" ", 2)[1])
+    status = int(raw_request(server, target).split(b" ", 2)[1])
     assert 400 <= status < 500, (target, status)
     assert httpx.get(server.url + "/healthz").status_code == 200
 

@@ -19,10 +19,10 @@ from typing import Any
 
 import httpx
 import pytest
-from _live import BIG, REPO, LiveServer, live_server, process_tree
 
 from reshard.io.outfs import TMP_PREFIX
 from reshard.plan.types import rank_file_name
+from tests.support.live import BIG, REPO, LiveServer, live_server, process_tree
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -64,6 +64,7 @@ def _fresh(url: str, **kw: Any) -> httpx.Response:
         return c.get(url, headers={"Connection": "close"}, **kw)
 
 
+@pytest.mark.servers
 def test_two_workers_share_requests_metrics_and_digests(srv2: LiveServer, written: Any) -> None:
     assert len(_workers(srv2)) == 2
     target = f"{srv2.ckpt_url('llama')}/shards/1?tp=2"
@@ -86,6 +87,7 @@ def test_two_workers_share_requests_metrics_and_digests(srv2: LiveServer, writte
     assert _sample(srv2, 'reshard_shard_digests_total{cache="hit"}') == 10
 
 
+@pytest.mark.servers
 def test_jobs_run_once_one_at_a_time_per_directory_across_workers(srv2: LiveServer, written: Any) -> None:
     with ThreadPoolExecutor(6) as pool:  # six jobs for one output directory, accepted by either worker
         subs = list(pool.map(lambda _: httpx.post(srv2.ckpt_url(BIG) + "/jobs", json={"tp": 2},
@@ -113,6 +115,7 @@ def test_jobs_run_once_one_at_a_time_per_directory_across_workers(srv2: LiveServ
     assert _sample(srv2, 'reshard_jobs{state="done"}') >= 6
 
 
+@pytest.mark.servers
 def test_jobs_of_killed_workers_are_failed_by_their_replacements(srv2: LiveServer) -> None:
     ids = []
     for tp in (1, 2, 4, 1, 2, 4):  # several directories: some run, some wait in a worker's queue
@@ -147,6 +150,7 @@ def test_jobs_of_killed_workers_are_failed_by_their_replacements(srv2: LiveServe
     assert _fresh(f"{srv2.url}/v1/jobs/{again['id']}").json()["state"] == "done"
 
 
+@pytest.mark.multiproc
 def test_signal_storm_never_deadlocks_the_stop() -> None:
     """SIGTERM after SIGTERM (a supervisor forwarding, an operator's kill, a container runtime): the
     handler's `stop` runs once, so a signal that lands inside it cannot wait on a lock it holds (it did:

@@ -5,7 +5,6 @@ same files in the bucket and under the file server's root."""
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -13,10 +12,8 @@ from typing import Any
 import boto3
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "service"))
-from _live import make_ckpt  # noqa: E402
-
-from bench.stores import StoreServer, http_server, s3_server  # noqa: E402
+from bench.stores import StoreServer, http_server, s3_server
+from tests.support.live import make_ckpt
 
 BUCKET = "ckpts"
 

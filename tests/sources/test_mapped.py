@@ -16,6 +16,9 @@ import pytest
 from reshard.io.sources import open_source
 from reshard.io.stream import RankStream
 from reshard.plan.planner import make_plan
+from tests.support.live import make_ckpt
+
+pytestmark = pytest.mark.multiproc
 
 REPO = Path(__file__).resolve().parents[2]
 ROW = {"rules": [{"pattern": "*_proj.weight", "kind": "row"}]}
@@ -23,9 +26,6 @@ ROW = {"rules": [{"pattern": "*_proj.weight", "kind": "row"}]}
 
 @pytest.fixture(scope="module")
 def row_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    sys.path.insert(0, str(REPO / "tests" / "service"))
-    from _live import make_ckpt
-
     d = make_ckpt(tmp_path_factory.mktemp("mapped") / "ckpt", hidden_size=512, intermediate_size=1536,
                   num_hidden_layers=2, vocab_size=1024, num_attention_heads=8, num_key_value_heads=8)
     (d / "reshard-rules.json").write_text(json.dumps(ROW))

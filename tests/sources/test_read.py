@@ -27,6 +27,7 @@ def store(request, s3, web, s3_env):
     return "http", web, f"{web.url}/files/llama/"
 
 
+@pytest.mark.servers
 @pytest.mark.parametrize("tp", [2, 4])
 def test_ranks_identical_to_local_and_fetch_only_what_they_need(store, local_root: Path, tp: int) -> None:
     kind, srv, url = store
@@ -52,6 +53,7 @@ def test_ranks_identical_to_local_and_fetch_only_what_they_need(store, local_roo
         assert rows >= 256 and fetched["requests"] * 10 <= rows, (kind, rp.rank, fetched, rows)
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize("tp", [2, 4])
 def test_bytes_read_is_what_the_local_stream_preads(local_root: Path, monkeypatch, tp: int) -> None:
     from reshard.io.readers import LocalReader
@@ -74,6 +76,7 @@ def test_bytes_read_is_what_the_local_stream_preads(local_root: Path, monkeypatc
             assert b"".join(bytes(c) for c in stream.chunks()) == data
 
 
+@pytest.mark.servers
 def test_cli_write_from_store_matches_local(store, local_root: Path, tmp_path: Path) -> None:
     kind, _, url = store
     assert main(["write", url, "--tp", "2", "-o", str(tmp_path / "remote"), "--no-progress"]) == 0
@@ -82,6 +85,7 @@ def test_cli_write_from_store_matches_local(store, local_root: Path, tmp_path: P
         assert (tmp_path / "remote" / name).read_bytes() == (tmp_path / "local" / name).read_bytes(), name
 
 
+@pytest.mark.servers
 def test_object_replaced_mid_stream_fails_the_stream(store, local_root: Path, monkeypatch, boto, tmp_path) -> None:
     import reshard.io.readers as readers
 
@@ -110,6 +114,7 @@ def test_object_replaced_mid_stream_fails_the_stream(store, local_root: Path, mo
             (local_root / "llama" / name).write_bytes(original)
 
 
+@pytest.mark.servers
 def test_5xx_answers_are_retried(local_root: Path, monkeypatch) -> None:
     from bench.stores import http_server
 

@@ -9,12 +9,14 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from _live import free_port, live_server
 from safetensors.torch import load_file
 
 from bench.stores import TEST_SECRET
 from bench.stores import s3_env as env_for
 from reshard.cli import main
+from tests.support.live import free_port, live_server
+
+pytestmark = pytest.mark.servers
 
 
 @pytest.mark.parametrize("kind", ["s3", "http"])

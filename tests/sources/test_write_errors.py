@@ -7,7 +7,6 @@ import json
 from pathlib import Path
 
 import pytest
-from _live import free_port, make_ckpt
 
 from bench.stores import TEST_SECRET, s3_server
 from bench.stores import s3_env as env_for
@@ -15,6 +14,9 @@ from reshard.cli import main
 from reshard.io.sources import open_source
 from reshard.io.store_writer import write_shards_to_store
 from reshard.plan.planner import make_plan
+from tests.support.live import free_port, make_ckpt
+
+pytestmark = pytest.mark.servers
 
 
 def _objects(boto, prefix: str) -> dict[str, bytes]:

@@ -1,4 +1,4 @@
-"""The multi-process spawner in tests/_dist.py: return values, failures with tracebacks, timeout."""
+"""The multi-process spawner in tests/support/dist.py: return values, failures with tracebacks, timeout."""
 
 from __future__ import annotations
 
@@ -7,7 +7,10 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from _dist import run_distributed
+
+from tests.support.dist import run_distributed
+
+pytestmark = pytest.mark.multiproc
 
 
 def _sum_ranks(rank: int, world_size: int, n: int) -> list[float]:

@@ -1,6 +1,6 @@
 """TP ops and layers on real gloo ranks (world sizes 2 and 4) against the unsharded math.
 
-All checks of one world size run in a single spawned job (see `tp_checks.py`); each check is then
+All checks of one world size run in a single spawned job (see `tests/support/tp_checks.py`); each check is then
 reported as its own test with every failing rank's traceback.
 """
 
@@ -9,8 +9,11 @@ from __future__ import annotations
 import functools
 
 import pytest
-from _dist import run_distributed
-from tp_checks import load_checks, run_checks
+
+from tests.support.dist import run_distributed
+from tests.support.tp_checks import load_checks, run_checks
+
+pytestmark = pytest.mark.multiproc
 
 WORLD_SIZES = (2, 4)
 

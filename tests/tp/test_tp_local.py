@@ -25,6 +25,8 @@ from reshard.tp import (
     vocab_parallel_cross_entropy,
 )
 
+pytestmark = pytest.mark.pure
+
 TOL = {"atol": 1e-5, "rtol": 1e-5}
 
 

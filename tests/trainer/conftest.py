@@ -7,7 +7,8 @@ from typing import Any
 
 import pytest
 import torch.nn.functional as F
-from archs import ARCHS, GRADS, IDS, TP4, make_checkpoint, reference_model, write_shards
+
+from tests.support.trainer_archs import ARCHS, GRADS, IDS, TP4, make_checkpoint, reference_model, write_shards
 
 
 @pytest.fixture(scope="session")

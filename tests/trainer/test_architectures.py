@@ -1,7 +1,7 @@
 """transformers' own models, built per rank on the meta device from rank shards, against transformers'
 single-process model on the full checkpoint: logits, the vocab-parallel loss, gradients, and the saved
 shards merging back to the checkpoint (per-expert names on disk for MoE), at tp=2 for every
-architecture in `archs.ARCHS` and at tp=4 where kv heads (2) are fewer than tp.
+architecture in `tests.support.trainer_archs.ARCHS` and at tp=4 where kv heads (2) are fewer than tp.
 
 One launch of real gloo ranks per world size; the ranks loop over the architectures.
 """
@@ -13,14 +13,14 @@ from typing import Any
 
 import pytest
 import torch
-from archs import ARCHS, GRADS, IDS, MOE_ARCHS, TP4, hf_config
 from safetensors.torch import load_file
-from trainer_checks import arch_job, global_slice, run_distributed
 
 from reshard.errors import CheckpointError
 from reshard.io.merge import merge
 from reshard.plan.types import rank_file_name
 from reshard.trainer import build_model
+from tests.support.trainer_archs import ARCHS, GRADS, IDS, MOE_ARCHS, TP4, hf_config
+from tests.support.trainer_checks import arch_job, global_slice, run_distributed
 
 LOGIT_ATOL = 1e-5
 GRAD_ATOL = 1e-5
@@ -46,6 +46,7 @@ def tp_runs(arch_work: Path) -> Any:
 CASES = [(2, name) for name in ARCHS] + [(4, name) for name in TP4]
 
 
+@pytest.mark.multiproc
 @pytest.mark.parametrize(("tp", "name"), CASES)
 def test_logits_and_loss_match_transformers(tp_runs: Any, references: dict, tp: int, name: str) -> None:
     ref = references[name]
@@ -58,6 +59,7 @@ def test_logits_and_loss_match_transformers(tp_runs: Any, references: dict, tp: 
         assert abs(res["loss"][name] - ref["loss"]) < LOGIT_ATOL, (rank, res["loss"][name], ref["loss"])
 
 
+@pytest.mark.multiproc
 @pytest.mark.parametrize(("tp", "name"), [(tp, n) for tp, n in CASES if n in GRADS])
 def test_gradients_match_transformers(tp_runs: Any, references: dict, tp: int, name: str) -> None:
     """One backward of `causal_lm_loss`: every rank's local gradient is its slice of transformers'
@@ -72,6 +74,7 @@ def test_gradients_match_transformers(tp_runs: Any, references: dict, tp: int, n
                                        msg=lambda m, k=key, r=rank: f"rank {r} {k}: {m}")
 
 
+@pytest.mark.multiproc
 def test_the_model_is_transformers_own_class(tp_runs: Any) -> None:
     import transformers
 
@@ -79,6 +82,7 @@ def test_the_model_is_transformers_own_class(tp_runs: Any) -> None:
         assert cls == transformers.AutoModelForCausalLM._model_mapping[type(hf_config(name))].__name__, name
 
 
+@pytest.mark.multiproc
 @pytest.mark.parametrize("tp", [2, 4])
 def test_local_shapes(tp_runs: Any, tp: int) -> None:
     """1/tp of every split tensor: vocab padded up, kv heads shared when 2 < tp, experts split per expert."""
@@ -103,6 +107,7 @@ def test_local_shapes(tp_runs: Any, tp: int) -> None:
     assert "lm_head.weight" not in tied  # one parameter, shared with the embedding
 
 
+@pytest.mark.multiproc
 @pytest.mark.parametrize(("tp", "name"), CASES)
 def test_saved_shards_merge_back_to_the_checkpoint(tp_runs: Any, arch_work: Path, tmp_path: Path, tp: int,
                                                    name: str) -> None:
@@ -121,6 +126,7 @@ def test_saved_shards_merge_back_to_the_checkpoint(tp_runs: Any, arch_work: Path
         assert torch.equal(merged[key], tensor), key
 
 
+@pytest.mark.multiproc
 @pytest.mark.parametrize(("tp", "have"), [(2, 4), (4, 2)])
 def test_shards_of_another_tp_give_a_clear_error(tp_runs: Any, arch_work: Path, tp: int, have: int) -> None:
     shard_dir = str(arch_work / "llama" / f"tp{have}")
@@ -131,11 +137,13 @@ def test_shards_of_another_tp_give_a_clear_error(tp_runs: Any, arch_work: Path, 
         assert f"reshard write {shard_dir} --tp {tp}" in message, message
 
 
+@pytest.mark.pure
 def test_shards_of_another_tp_without_a_process_group(arch_work: Path) -> None:
     with pytest.raises(CheckpointError, match=r"tp=\[2\]\); run `reshard write .* --tp 1 -o DIR`"):
         build_model(arch_work / "llama" / "tp2")
 
 
+@pytest.mark.pure
 def test_tp1_build_equals_transformers(arch_work: Path, references: dict) -> None:
     """World size 1, no process group at all: the same layers at tp=1."""
     for name in ("llama_tied", "gemma3_text", "qwen3_moe"):

@@ -14,14 +14,14 @@ from typing import Any
 
 import pytest
 import torch
-from archs import ARCHS, IDS, reference_model, write_shards
 from safetensors.torch import load_file
-from trainer_checks import PYTHON, REPO, build_memory_job, run_distributed, run_train
 
 from reshard.io.merge import merge
 from reshard.plan.types import rank_file_name
 from reshard.testing.synth import llama_config, make_checkpoint
 from reshard.trainer import build_model
+from tests.support.trainer_archs import ARCHS, IDS, reference_model, write_shards
+from tests.support.trainer_checks import PYTHON, REPO, build_memory_job, run_distributed, run_train
 
 TPS = (1, 2, 4)
 LOSS_ATOL = 1e-5
@@ -37,6 +37,7 @@ MAX_NOISY_FRACTION = 1e-3
 # --- resharding the shards --------------------------------------------------------------------------
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize(("src_tp", "dst_tp"), [(2, 1), (1, 2)])
 def test_reshard_of_shards_equals_direct_write(arch_work: Path, tmp_path: Path, src_tp: int, dst_tp: int) -> None:
     for name in ("llama_tied", "mixtral"):
@@ -69,6 +70,7 @@ def trained(arch_work: Path) -> dict[tuple[str, int], dict[str, Any]]:
     return out
 
 
+@pytest.mark.multiproc
 @pytest.mark.parametrize("name", TRAINED)
 def test_tp2_training_matches_tp1(trained: dict, arch_work: Path, name: str) -> None:
     run, ref = trained[name, 2], trained[name, 1]
@@ -91,6 +93,7 @@ def test_tp2_training_matches_tp1(trained: dict, arch_work: Path, name: str) -> 
     assert noisy <= max(2, MAX_NOISY_FRACTION * total), f"{noisy} of {total} weights differ by > {WEIGHT_ATOL}"
 
 
+@pytest.mark.multiproc
 @pytest.mark.parametrize("name", TRAINED)
 def test_merged_training_result_loads_with_from_pretrained(trained: dict, arch_work: Path, name: str) -> None:
     merged = trained[name, 2]["merged"]
@@ -105,6 +108,7 @@ def test_merged_training_result_loads_with_from_pretrained(trained: dict, arch_w
             input_ids=IDS).logits, atol=1e-5, rtol=0)
 
 
+@pytest.mark.multiproc
 def test_tp1_run_without_torchrun_prints_losses(trained: dict) -> None:
     stdout = trained["llama", 1]["proc"].stdout
     printed = [float(x) for x in re.findall(rf"^step +\d+/{STEPS} +loss (\S+)", stdout, flags=re.M)]
@@ -113,6 +117,7 @@ def test_tp1_run_without_torchrun_prints_losses(trained: dict) -> None:
     assert all(3.0 < x < 60.0 for x in losses), losses
 
 
+@pytest.mark.multiproc
 def test_train_help() -> None:
     proc = subprocess.run([PYTHON, "-m", "reshard.cli.train", "--help"], cwd=REPO, capture_output=True,
                           text=True, timeout=60)
@@ -128,6 +133,7 @@ BIG = llama_config(vocab_size=8192, hidden_size=512, intermediate_size=1536, num
 MB = 1 << 20
 
 
+@pytest.mark.multiproc
 def test_build_peak_memory_shrinks_with_tp(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     full = make_checkpoint(tmp_path / "full", BIG)
     state = load_file(full / "model.safetensors")

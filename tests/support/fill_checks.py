@@ -1,4 +1,4 @@
-"""Worker-side code for the fill_model tests: each `*_job` runs in a rank spawned by `tests/_dist.py`
+"""Worker-side code for the fill_model tests: each `*_job` runs in a rank spawned by `tests/support/dist.py`
 (module level, pickled by name), does every check of its scenario in one process group and returns
 plain values for the test to assert on.
 """
@@ -8,22 +8,15 @@ from __future__ import annotations
 import math
 import os
 import re
-import sys
-from pathlib import Path
 from typing import Any
 
 import httpx
 import torch
 import torch.distributed as dist
 
-_TESTS = str(Path(__file__).resolve().parents[1])
-if _TESTS not in sys.path:
-    sys.path.insert(0, _TESTS)
-
-from _dist import run_distributed  # noqa: E402
-
-import reshard  # noqa: E402
-from reshard.errors import ReshardError  # noqa: E402
+import reshard
+from reshard.errors import ReshardError
+from tests.support.dist import run_distributed
 
 __all__ = ["run_distributed"]
 

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 ATOL = RTOL = 1e-5
-CHECK_MODULES = ("tp_checks_ops", "tp_checks_layers")
+CHECK_MODULES = ("tests.support.tp_checks_ops", "tests.support.tp_checks_layers")
 CHECKS: dict[str, Callable[[int, int], None]] = {}
 
 

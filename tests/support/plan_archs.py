@@ -7,7 +7,12 @@ Every size divides by 2 and 4 so transformers' own TP (which splits unevenly oth
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
 
 SIZES: dict[str, Any] = {
     "vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
@@ -85,3 +90,37 @@ MOES = [
          moe=True, traits=("fused_experts",)),
 ]
 ARCHS = DENSE + MOES
+
+
+# --- what the plan tests build and compare -----------------------------------------------------------
+
+@dataclass
+class Built:
+    arch: Arch
+    ckpt: Path
+    out: dict[int, Path] = field(default_factory=dict)  # tp -> rank files dir
+    source: str = ""
+    errors: dict[str, str] = field(default_factory=dict)  # phase -> message
+
+    def hf_rank_file(self, rank: int) -> Path:
+        return self.ckpt.parent / f"hf-tp2-rank{rank}.safetensors"
+
+    def require(self, *phases: str) -> None:
+        for phase in phases:
+            if phase in self.errors:
+                pytest.fail(f"{self.arch.model_type}: {phase} failed: {self.errors[phase]}")
+
+
+def full_checkpoint(ckpt: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a saved checkpoint directory (all its `model*.safetensors`)."""
+    out: dict[str, torch.Tensor] = {}
+    for p in sorted(ckpt.glob("model*.safetensors")):
+        out.update(load_file(str(p)))
+    return out
+
+
+def same_tensor(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    """Same dtype, shape and values."""
+    assert got.dtype == want.dtype and tuple(got.shape) == tuple(want.shape), (what, got.dtype, want.dtype,
+                                                                               tuple(got.shape), tuple(want.shape))
+    assert torch.equal(got, want), f"{what}: values differ"

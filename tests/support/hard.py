@@ -1,7 +1,7 @@
-"""Helpers for the hardening tests (tests/service must be on sys.path: conftest.py puts it there).
+"""Helpers for the hardening tests, on top of `tests.support.live`.
 
     ThrottledProxy(upstream, rate=...)        a TCP relay that slows responses down (kill a pull halfway)
-    live_server(root, ...)                    `_live.live_server` with --workers 2 (WORKERS)
+    live_server(root, ...)                    `live.live_server` with --workers 2 (WORKERS)
     verbose_server(root, token=..., out=...)  `reshard serve` logging everything (trace level, access log)
     metric(srv, prefix), fd_count(pid), rss_anon(pid), tree(path), wait_for(pred), raw_http(srv, head)
 """
@@ -18,9 +18,10 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import _live
 import httpx
-from _live import REPO, LiveServer, LoopbackProxy, _stop, _wait_healthy, free_port, process_tree
+
+from tests.support import live as _live
+from tests.support.live import REPO, LiveServer, LoopbackProxy, _stop, _wait_healthy, free_port, process_tree
 
 WORKERS = 2  # the hardening suite runs against `reshard serve --workers 2`
 live_server = functools.partial(_live.live_server, workers=WORKERS)
@@ -28,7 +29,7 @@ live_server = functools.partial(_live.live_server, workers=WORKERS)
 
 @contextlib.contextmanager
 def verbose_server(root: Path, *, token: str, out: Path, log_path: Path) -> Iterator[LiveServer]:
-    """Like `_live.live_server`, but with uvicorn's most verbose logging (every request, every ASGI
+    """Like `live.live_server`, but with uvicorn's most verbose logging (every request, every ASGI
     message) and the token from the environment, as a deployment would pass a secret."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("RESHARD_")}
     env.update(RESHARD_TOKEN=token, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")

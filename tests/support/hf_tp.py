@@ -1,6 +1,6 @@
 """The transformers side of the plan tests: every architecture loaded with transformers' own TP, in one launch.
 
-`dump_hf_tp(rank, world_size, jobs)` runs on each gloo rank (see `tests/_dist.py`): for every
+`dump_hf_tp(rank, world_size, jobs)` runs on each gloo rank (see `tests/support/dist.py`): for every
 (name, checkpoint, out prefix) job it loads the checkpoint with `from_pretrained(...,
 distributed_config=DistributedConfig(tp_size=world_size, tp_plan="auto"))` (what `tp_plan="auto"`
 does under torchrun) and saves this rank's local tensors (`DTensor.to_local()`, plain tensors as they

@@ -1,6 +1,6 @@
 """Run a function in real processes joined by a gloo process group, for multi-rank tests.
 
-    from _dist import run_distributed
+    from tests.support.dist import run_distributed
 
     def _check(rank: int, world_size: int, n: int) -> float:   # module level: it is pickled
         t = torch.full((n,), float(rank))

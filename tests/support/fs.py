@@ -23,6 +23,8 @@ from pathlib import Path
 
 import pytest
 
+from reshard.plan.types import rank_file_name
+
 BALLAST = ".ballast"
 
 
@@ -152,6 +154,7 @@ def same_tree(a: Path, b: Path, *, names: list[str] | None = None) -> None:
 
 KINDS = ("ext4", "tmpfs")
 TP = 2
+RANK0, RANK1 = rank_file_name(0, TP), rank_file_name(1, TP)
 
 
 def get_mount(mounts: dict[str, Mount | str], kind: str) -> Mount:
@@ -165,3 +168,13 @@ def reshard(*args: object, timeout: float = 120) -> subprocess.CompletedProcess[
     """`reshard ARGS` in a fresh interpreter (so a signal would show as a negative return code)."""
     return subprocess.run([sys.executable, "-m", "reshard.cli", *map(str, args)], capture_output=True,
                           text=True, timeout=timeout, check=False)
+
+
+def assert_clean(r: subprocess.CompletedProcess[str], *needles: str) -> str:
+    """Exit status 1 (not a signal), one `reshard: error:` line naming each needle, no traceback."""
+    assert r.returncode == 1, (r.returncode, r.stderr)
+    lines = r.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("reshard: error: "), r.stderr
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+    return lines[0]

@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from tp_checks import check, close, leaf, linear, randn, shard_state
 
 from reshard.errors import PlanError
 from reshard.tp import (
@@ -18,6 +17,7 @@ from reshard.tp import (
     tp_rank,
     tp_world_size,
 )
+from tests.support.tp_checks import check, close, leaf, linear, randn, shard_state
 
 
 @check

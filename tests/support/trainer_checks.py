@@ -1,7 +1,8 @@
 """Worker-side code and helpers for the TP trainer tests (`test_tp_trainer.py`).
 
-The functions named `*_job` run inside ranks spawned by `tests/_dist.py` (module level: they are
-pickled by name, and the spawned ranks inherit this process's sys.path). Each job does every check of
+The functions named `*_job` run inside ranks spawned by `tests/support/dist.py` (module level: they are
+pickled by name as `tests.support.trainer_checks.*`; the spawned ranks inherit this process's sys.path,
+which holds the repository root). Each job does every check of
 one world size in one process group and returns plain values; the tests assert on them.
 """
 
@@ -20,16 +21,11 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-_TESTS = str(Path(__file__).resolve().parents[1])
-if _TESTS not in sys.path:  # `tests/_dist.py` is importable as `_dist` without a conftest here
-    sys.path.insert(0, _TESTS)
-
-from _dist import run_distributed  # noqa: E402
-
-from reshard.cli.train import main as train_main  # noqa: E402
-from reshard.errors import ReshardError  # noqa: E402
-from reshard.fill.experts import shard_layout  # noqa: E402
-from reshard.trainer import build_model, causal_lm_loss, save_rank_shard  # noqa: E402
+from reshard.cli.train import main as train_main
+from reshard.errors import ReshardError
+from reshard.fill.experts import shard_layout
+from reshard.trainer import build_model, causal_lm_loss, save_rank_shard
+from tests.support.dist import run_distributed
 
 __all__ = ["run_distributed"]
 

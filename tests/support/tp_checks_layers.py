@@ -9,7 +9,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from tp_checks import all_gather_list, check, close, leaf, linear, randn, shard_state
 
 from reshard.errors import PlanError
 from reshard.tp import (
@@ -18,6 +17,7 @@ from reshard.tp import (
     VocabParallelEmbedding,
     vocab_parallel_cross_entropy,
 )
+from tests.support.tp_checks import all_gather_list, check, close, leaf, linear, randn, shard_state
 
 
 @check

@@ -1,6 +1,6 @@
 """Helpers for tests against a real `reshard serve`: small checkpoints, a live server, a flaky proxy.
 
-    from _live import live_server, make_ckpt   # tests/service is on sys.path (like tests/_dist.py)
+    from tests.support.live import live_server, make_ckpt
 
     root = tmp_path / "root"
     make_ckpt(root / "tiny")                             # llama-like, float32, ~0.4 MB
@@ -12,7 +12,7 @@
 `live_server` runs `python -m reshard.cli serve` in a subprocess on a free port (settings other than
 root/host/port/token/out go through `RESHARD_*` environment variables), waits for /healthz and
 terminates the server afterwards; its log is at `srv.log_path`. `CuttingProxy` breaks connections
-after N bytes, for resume tests. conftest.py turns these into fixtures.
+after N bytes, for resume tests. tests/conftest.py turns these into fixtures.
 """
 
 
@@ -277,3 +277,44 @@ class CuttingProxy(LoopbackProxy):
                 return
             client.sendall(data)
             sent += len(data)
+
+
+# --- reading a live server ---------------------------------------------------------------------------
+
+def metric(srv: LiveServer, line_prefix: str) -> float:
+    """The sum of the /metrics samples whose line starts with `line_prefix`."""
+    text = httpx.get(srv.url + "/metrics", headers=srv.headers()).text
+    values = [float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines() if ln.startswith(line_prefix)]
+    return sum(values)
+
+
+def raw_request(srv: LiveServer, target: str, *, read: int = 0) -> bytes:
+    """A hand-written GET of `target`; the answer (stops after `read` bytes when given: a client hanging up)."""
+    host, port = srv.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(f"GET {target} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode())
+        got = b""
+        while chunk := s.recv(65536):
+            got += chunk
+            if read and len(got) >= read:
+                break
+        return got
+
+
+def sendfile_bytes(ckpt: Path, tp: int, rank: int, lo: int, hi: int) -> int:
+    """Bytes of [lo, hi) of the rank file in contiguous ranges of a source file at least DIRECT_MIN
+    long (within [lo, hi)): what the server should hand to sendfile, from the plan's segments."""
+    from reshard.io.sources import open_source
+    from reshard.plan.planner import make_plan
+    from reshard.service.pump import DIRECT_MIN
+
+    src, manifest = open_source(ckpt)
+    rp = make_plan(src, manifest, tp).ranks[rank]
+    pos, total = len(rp.header), 0
+    for t in rp.tensors:
+        for seg in t.segments:
+            part = min(hi, pos + seg.nbytes) - max(lo, pos)  # the piece's bytes inside [lo, hi)
+            if getattr(seg, "contiguous", False) and seg.file is not None and part >= DIRECT_MIN:
+                total += part
+            pos += seg.nbytes
+    return total

@@ -1,0 +1,84 @@
+"""The root of the test suite: the tier check, and the fixtures more than one folder uses.
+
+Tiers (DESIGN.md rule 9; registered in pyproject's [tool.pytest.ini_options] markers). Every test has
+exactly one, set with `pytestmark` per module or a decorator per test where a module mixes tiers:
+
+    pure       in-process only: formats, rules, plans, streams, the app through FastAPI's TestClient
+    multiproc  real processes: gloo ranks, torchrun, `python -m reshard.cli ...` runs, mounts
+    servers    a real server the test starts: `reshard serve` (uvicorn), moto S3, a static file server
+    e2e        the demo, the README and docs pages as a reader runs them, docker compose
+
+A test that needs more than one picks the last that applies in that order (a test that starts a server
+and spawns gloo ranks is `servers`). `./run test --fast` runs `pure` alone; `./run test` runs all.
+
+Helpers live in `tests/support/` (imported as `tests.support.X`); the service fixtures below serve the
+service and hardening folders, whose conftest.py add their own `server` (one worker; two).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support.live import BIG, SMALL_CKPTS, CuttingProxy, make_ckpt
+
+TIERS = ("pure", "multiproc", "servers", "e2e")
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects: every collected test is checked, whatever runs
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    wrong = []
+    for item in items:
+        tiers = sorted({m.name for m in item.iter_markers() if m.name in TIERS})
+        if len(tiers) != 1:
+            wrong.append(f"  {item.nodeid}: {', '.join(tiers) or 'no tier'}")
+    if wrong:
+        raise pytest.UsageError(
+            f"every test needs exactly one tier marker of {', '.join(TIERS)} (see tests/conftest.py); "
+            f"tests with none or several ({len(wrong)}):\n" + "\n".join(wrong))
+
+
+# --- service fixtures (tests/service, tests/hardening) ------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def ckpt_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """ROOT with the small checkpoints of SMALL_CKPTS and one larger one, `big`."""
+    root = tmp_path_factory.mktemp("service") / "root"
+    root.mkdir()
+    for name, (kw, _) in SMALL_CKPTS.items():
+        make_ckpt(root / name, **kw)
+    make_ckpt(root / BIG, hidden_size=1024, intermediate_size=2048, num_hidden_layers=1, vocab_size=2048,
+              num_attention_heads=8, num_key_value_heads=8)
+    return root
+
+
+@pytest.fixture(scope="session")
+def written(ckpt_root: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """`written(name, tp) -> Path` of the directory `reshard write` produced (made once per pair)."""
+    from reshard.cli import main
+
+    out_root = tmp_path_factory.mktemp("written")
+    made: dict[tuple[str, int], Path] = {}
+
+    def get(name: str, tp: int) -> Path:
+        if (name, tp) not in made:
+            out = out_root / f"{name}-tp{tp}"
+            assert main(["write", str(ckpt_root / name), "--tp", str(tp), "-o", str(out), "--no-progress"]) == 0
+            made[(name, tp)] = out
+        return made[(name, tp)]
+
+    return get
+
+
+@pytest.fixture
+def ckpt_factory() -> Any:
+    return make_ckpt
+
+
+@pytest.fixture
+def cutting_proxy() -> Any:
+    return CuttingProxy
+
