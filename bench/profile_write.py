@@ -23,7 +23,7 @@ from typing import Any
 
 from bench.compare_write import reshard_bin
 from bench.measure import median
-from reshard.io.writer import file_sha256
+from reshard.io.hashing import file_sha256
 
 
 def _copy_all(files: list[Path], out: Path) -> list[Path]:

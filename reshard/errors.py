@@ -107,6 +107,20 @@ class OutputIOError(OutputError):
     http_status = 503
 
 
+class StateUnavailableError(ReshardError):
+    """The service's state database (jobs, digests shared by its workers) cannot be used now: read-only or
+    immutable files, an I/O error, a lock held too long. Job routes answer 503; shard downloads go on."""
+
+    http_status = 503
+
+
+class StateFullError(StateUnavailableError):
+    """The file system of the service's state database is full (SQLITE_FULL, ENOSPC): job routes answer
+    507 until space is freed there; shard downloads go on."""
+
+    http_status = 507
+
+
 class PeerFailedError(ReshardError):
     """Another rank of a distributed run failed, so this one stops too (instead of waiting for it)."""
 

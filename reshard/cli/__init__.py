@@ -2,20 +2,63 @@
 
 Each subcommand module of this package registers itself through `add_commands(sub)`; this file
 only dispatches and turns a `ReshardError` (or a stray `OSError`) into one line on stderr
-and exit status 1; `--debug` shows the traceback instead.
+and exit status 1; `--debug` shows the traceback instead. SIGINT and SIGTERM stop a command the
+same way: the first one raises `Interrupted` (a `KeyboardInterrupt`) in the main thread, so what is
+being written is cleaned up as on any failure (temp files removed, multipart uploads aborted), and
+the command exits 128 + the signal number with one line; a signal that arrives during that cleanup
+is ignored. `serve` has its own graceful shutdown (uvicorn's) and keeps it.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import signal
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 from reshard.cli import commands, demo, merge, serve
 from reshard.errors import ReshardError
 
 # modules that define `add_commands(subparsers)`; each command sets `func(args) -> int`
 COMMAND_MODULES = (commands, merge, serve, demo)
+OWN_SIGNALS = frozenset({"serve"})  # commands that install their own SIGTERM/SIGINT handling
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM arrived: the command stops, cleaning up as on any failure."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def stop_on_signals() -> Iterator[None]:
+    """Within the block, the first SIGINT or SIGTERM raises `Interrupted`; later ones are ignored (they
+    would cut the cleanup short). Only the main thread may set handlers: elsewhere this does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    stopping = False
+
+    def handler(signum: int, frame: Any) -> None:
+        nonlocal stopping
+        if not stopping:
+            stopping = True
+            raise Interrupted(signum)
+
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, handler)
+    try:
+        yield
+    finally:
+        for sig, prev in previous.items():
+            signal.signal(sig, prev if prev is not None else signal.SIG_DFL)  # None: set outside Python
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -30,6 +73,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    with contextlib.nullcontext() if args.command in OWN_SIGNALS else stop_on_signals():
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         return int(args.func(args) or 0)
     except ReshardError as e:
@@ -43,7 +91,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         where = f"{e.filename}: " if e.filename else ""
         print(f"reshard: error: {where}{e.strerror or e}; run with --debug for the traceback", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print("reshard: interrupted", file=sys.stderr)
-        return 130
-
+    except KeyboardInterrupt as e:  # cleaned up on the way here, as on any failure
+        signum = e.signum if isinstance(e, Interrupted) else signal.SIGINT
+        print(f"reshard: interrupted by {signal.Signals(signum).name}", file=sys.stderr)
+        return 128 + signum

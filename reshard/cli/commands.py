@@ -104,6 +104,10 @@ def cmd_pull(args: argparse.Namespace) -> int:
     with ShardClient(args.url, token=args.token, retries=args.retries, rules=args.rules) as client:
         out = args.out or f"rank-{args.rank:05d}-of-{args.tp:05d}.safetensors"
         result = client.pull(args.rank, args.tp, out, progress=args.progress, resume=not args.no_resume)
+    if result.get("kept"):
+        print(f"rank {args.rank} of tp={args.tp} is already in place: {human(result['size'])}, "
+              f"sha256 {result['sha256'][:16]}... verified, nothing downloaded -> {result['path']}", file=sys.stderr)
+        return 0
     resumed = f", resumed at {human(result['resumed_from'])}" if result["resumed_from"] else ""
     print(f"pulled rank {args.rank} of tp={args.tp}: {human(result['size'])}{resumed}, "
           f"sha256 {result['sha256'][:16]}... -> {result['path']}", file=sys.stderr)

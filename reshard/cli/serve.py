@@ -21,7 +21,9 @@ def _settings(args: argparse.Namespace) -> Any:
         "root": args.root, "host": args.host, "port": args.port, "token": args.token, "out": args.out,
         "max_upload_bytes": args.max_upload_bytes, "chunk_size": args.chunk_size, "log_level": args.log_level,
         "public_docs": args.public_docs, "workers": args.workers, "zero_copy": args.zero_copy,
-        "gather_cache": args.gather_cache,
+        "gather_cache": args.gather_cache, "max_header_bytes": args.max_header_bytes,
+        "max_headers": args.max_headers, "max_url_bytes": args.max_url_bytes,
+        "keep_alive_timeout": args.keep_alive_timeout,
     }
     try:
         return Settings(**{k: v for k, v in flags.items() if v is not None})
@@ -41,12 +43,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from reshard.service.app import create_app
     from reshard.service.process import enable_mapped_reads
-    from reshard.service.workers import http_protocol
+    from reshard.service.workers import uvicorn_options
 
     enable_mapped_reads(settings)
     app = create_app(settings)  # its lifespan stops write jobs at SIGTERM, before uvicorn drains connections
-    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                            access_log=not args.no_access_log, timeout_keep_alive=30, http=http_protocol(settings))
+    config = uvicorn.Config(app, access_log=not args.no_access_log, **uvicorn_options(settings))
     server = uvicorn.Server(config)
     with contextlib.suppress(KeyboardInterrupt):
         server.run()
@@ -69,6 +70,13 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--gather-cache", type=int, metavar="BYTES",
                    help="keep copies of the row-split pieces of shards pulled more than once, up to BYTES in "
                         "ROOT/.reshard/gathered or RESHARD_GATHER_DIR (default 8 GiB; 0: off; env RESHARD_GATHER_CACHE)")
+    p.add_argument("--max-header-bytes", type=int, metavar="BYTES",
+                   help="largest request header fields, in all (default 64 KiB; 431 above it)")
+    p.add_argument("--max-headers", type=int, metavar="N", help="most header fields of a request (default 100; 431 above)")
+    p.add_argument("--max-url-bytes", type=int, metavar="BYTES",
+                   help="longest request target, path and query (default 8 KiB; 414 above it)")
+    p.add_argument("--keep-alive-timeout", type=float, metavar="SECONDS",
+                   help="idle connections close after it; a request head must arrive within it (default 30)")
     p.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug", "trace"])
     p.add_argument("--public-docs", action="store_true", default=None, help="/docs without the token")
     p.add_argument("--no-access-log", action="store_true", help="do not log every request")

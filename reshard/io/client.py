@@ -21,9 +21,7 @@ import json
 import os
 import re
 import time
-from collections import deque
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,7 +30,8 @@ import httpx
 
 from reshard import errors
 from reshard.errors import IntegrityError, NotFoundError, OutputPathError, ReshardError
-from reshard.io.outfs import check_space, fsync_dir, output_errors, prepare_dir
+from reshard.io.hashing import BackgroundHash, file_sha256
+from reshard.io.outfs import check_space, fsync_dir, made_dir, output_errors
 from reshard.io.progress import Progress
 from reshard.plan.types import rank_file_name
 
@@ -129,29 +128,66 @@ class ShardClient:
     def pull(self, rank: int, tp: int, dest: str | os.PathLike[str], *, progress: bool | None = None,
              resume: bool = True) -> dict[str, Any]:
         """Download to `dest` atomically (temp file + fsync + rename). A partial temp file left by an
-        earlier try of the same shard (same ETag) is resumed; returns path, size, sha256, etag."""
+        earlier try of the same shard (same ETag) is resumed; a `dest` that is already this shard (its
+        size and the server's sha256) is verified and kept, nothing written (a full or read-only disk
+        is no obstacle then). Returns path, size, sha256, etag, resumed_from and kept.
+
+        A pull that fails before any byte lands leaves nothing: no `.part`, no `.part.json`, no
+        directory it made; one that fails later keeps its partial file to resume from (unless the
+        bytes are wrong: `IntegrityError`)."""
         dest = Path(dest)
         part, meta = dest.with_name(f".{dest.name}.part"), dest.with_name(f".{dest.name}.part.json")
         head = self.head(rank, tp)
+        with made_dir(dest.parent, for_file=dest):
+            if dest.is_dir():
+                raise OutputPathError(f"{dest}: is a directory; give the file to write, e.g. {dest / rank_file_name(rank, tp)}")
+            digest = self._in_place(rank, tp, dest, head)
+            if digest is not None:
+                for p in (part, meta):  # a leftover of an earlier try: the shard is here already
+                    with contextlib.suppress(OSError):
+                        p.unlink()
+                return {"path": str(dest), "rank": rank, "tp": tp, "size": head.size, "sha256": digest,
+                        "etag": head.etag, "resumed_from": head.size, "kept": True}
+            start, digest = self._download(rank, tp, dest, part, meta, head, progress=progress, resume=resume)
+        return {"path": str(dest), "rank": rank, "tp": tp, "size": head.size, "sha256": digest,
+                "etag": head.etag, "resumed_from": start, "kept": False}
+
+    def _in_place(self, rank: int, tp: int, dest: Path, head: ShardHead) -> str | None:
+        """The sha256 of `dest` if it already is the shard `head` describes (size, then the server's
+        sha256), else None."""
+        try:
+            if not dest.is_file() or dest.stat().st_size != head.size:
+                return None
+            digest = file_sha256(dest)
+        except OSError:  # unreadable: downloaded again (and any error of the output side said then)
+            return None
+        want = head.sha256
+        if want is None:
+            d = self.digest(rank, tp)
+            want = d["sha256"] if d["etag"] == head.etag else None  # changed meanwhile: download the new one
+        return digest if digest == want else None
+
+    def _download(self, rank: int, tp: int, dest: Path, part: Path, meta: Path, head: ShardHead, *,
+                  progress: bool | None, resume: bool) -> tuple[int, str]:
+        """Into `part` (resumed where `meta` names this shard's ETag), verified, renamed to `dest`;
+        (the offset it resumed from, sha256)."""
         retry = f"run the same pull again (it resumes from {part.name})"
-        prepare_dir(dest.parent, for_file=dest)
-        if dest.is_dir():
-            raise OutputPathError(f"{dest}: is a directory; give the file to write, e.g. {dest / rank_file_name(rank, tp)}")
         version = {"url": self.shard_url(rank), "tp": tp, "etag": head.etag}
         sha, start = hashlib.sha256(), 0
+        resuming = resume and part.is_file() and _read_meta(meta) == version
         bar = Progress(head.size, f"rank {rank}/{tp}", enabled=progress)
         try:
             with output_errors(dest, retry=retry):  # out of space etc.: the partial file stays, to resume
-                if resume and part.is_file() and _read_meta(meta) == version:
+                if resuming:
                     start = min(part.stat().st_size, head.size)
                     with open(part, "rb") as f:  # the bytes already here count towards the digest
                         left = start
                         while left and (block := f.read(min(8 << 20, left))):
                             sha.update(block)
                             left -= len(block)
-                else:
-                    meta.write_text(json.dumps(version))
                 check_space(dest.parent, head.size - start, fix=f"free some space there or pull elsewhere, then {retry}")
+                if not resuming:
+                    meta.write_text(json.dumps(version))
                 bar.update(start)
                 with open(part, "r+b" if start else "wb", buffering=0) as f:
                     f.truncate(start)
@@ -163,18 +199,19 @@ class ShardClient:
                         bar.update(len(piece))
                     os.fsync(f.fileno())
                 os.replace(part, dest)
-        except IntegrityError:
-            for p in (part, meta):
-                with contextlib.suppress(FileNotFoundError):
-                    p.unlink()
+        except BaseException as e:
+            # wrong bytes, or nothing received yet: nothing worth resuming from
+            if isinstance(e, IntegrityError) or not _has_bytes(part):
+                for p in (part, meta):
+                    with contextlib.suppress(OSError):
+                        p.unlink()
             raise
         finally:
             bar.close()
         with contextlib.suppress(FileNotFoundError):
             meta.unlink()
         fsync_dir(dest.parent)
-        return {"path": str(dest), "rank": rank, "tp": tp, "size": head.size, "sha256": sha.hexdigest(),
-                "etag": head.etag, "resumed_from": start}
+        return start, sha.hexdigest()
 
     def _pieces(self, rank: int, tp: int, *, start: int = 0, etag: str | None = None,
                 sha: Any = None) -> Iterator[tuple[int, int, bytes]]:
@@ -182,11 +219,11 @@ class ShardClient:
         one when start is 0 and verification is on); `etag` pins the shard version."""
         if sha is None and start == 0 and self.verify:
             sha = hashlib.sha256()
-        with _BackgroundHash(sha) as hasher:
+        with BackgroundHash(sha) as hasher:
             yield from self._fetch(rank, tp, start=start, etag=etag, hasher=hasher)
 
     def _fetch(self, rank: int, tp: int, *, start: int, etag: str | None,
-               hasher: _BackgroundHash) -> Iterator[tuple[int, int, bytes]]:
+               hasher: BackgroundHash) -> Iterator[tuple[int, int, bytes]]:
         pos, size, failures, server_sha = start, None, 0, None
         url, params = self.shard_url(rank), {**self.params, "tp": tp}
         while size is None or pos < size:
@@ -283,57 +320,6 @@ class ShardClient:
         raise cls(f"{r.request.method} {r.request.url}: HTTP {r.status_code} {name}: {detail}")
 
 
-class _BackgroundHash:
-    """Feeds a hashlib object from one worker thread (hashlib releases the GIL on large updates), so
-    hashing overlaps receiving. Pieces are immutable `bytes`, batched to ~4 MiB; at most a few batches
-    are in flight. A no-op when `sha` is None. Leaving the `with` block waits for the last batch."""
-
-    _BATCH = 4 << 20
-
-    def __init__(self, sha: Any) -> None:
-        self.sha, self.active = sha, sha is not None
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="reshard-sha") if self.active else None
-        self._batch: list[bytes] = []
-        self._bytes = 0
-        self._pending: deque[Future[None]] = deque()
-
-    def __enter__(self) -> _BackgroundHash:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._pool is not None:
-            self._flush()
-            self._drain(0)
-            self._pool.shutdown()
-
-    def update(self, piece: bytes) -> None:
-        if self._pool is None:
-            return
-        self._batch.append(piece)
-        self._bytes += len(piece)
-        if self._bytes >= self._BATCH:
-            self._flush()
-            self._drain(3)
-
-    def hexdigest(self) -> str:
-        self._flush()
-        self._drain(0)
-        return self.sha.hexdigest()
-
-    def _flush(self) -> None:
-        if self._batch and self._pool is not None:
-            batch, self._batch, self._bytes = self._batch, [], 0
-            self._pending.append(self._pool.submit(self._hash, batch))
-
-    def _drain(self, keep: int) -> None:
-        while len(self._pending) > keep:
-            self._pending.popleft().result()
-
-    def _hash(self, batch: list[bytes]) -> None:
-        for piece in batch:
-            self.sha.update(piece)
-
-
 def _total(content_range: str | None) -> int | None:
     m = re.match(r"^bytes \*/(\d+)$", content_range or "")
     return int(m.group(1)) if m else None
@@ -349,6 +335,13 @@ def _body_span(r: httpx.Response, pos: int) -> tuple[int, int]:
     if r.status_code != 200:
         raise ReshardError(f"{r.request.url}: unexpected HTTP {r.status_code}")
     return pos, int(r.headers["content-length"])  # the server ignored Range: skip what we have
+
+
+def _has_bytes(path: Path) -> bool:
+    try:
+        return path.stat().st_size > 0
+    except OSError:
+        return False
 
 
 def _read_meta(path: Path) -> Any:

@@ -32,7 +32,7 @@ from reshard.errors import (
     ReadOnlyError,
 )
 
-__all__ = ["check_space", "free_bytes", "megabytes", "output_error", "output_errors", "prepare_dir"]
+__all__ = ["check_space", "free_bytes", "made_dir", "megabytes", "output_error", "output_errors", "prepare_dir"]
 
 
 def megabytes(n: float) -> str:
@@ -127,6 +127,27 @@ def prepare_dir(path: str | os.PathLike[str], *, for_file: str | os.PathLike[str
     with output_errors(for_file if for_file is not None else out):
         out.mkdir(parents=True, exist_ok=True)
     return out
+
+
+@contextlib.contextmanager
+def made_dir(path: str | os.PathLike[str], *, for_file: str | os.PathLike[str] | None = None) -> Iterator[Path]:
+    """`prepare_dir(path)` for the block; when the block fails (an error, an interrupt), the directories
+    that `prepare_dir` created are removed again, deepest first, as long as they are empty: a failed
+    write that published nothing leaves no trace. A directory something was put in stays."""
+    new, p = [], Path(os.path.abspath(path))
+    while not p.exists() and p != p.parent:
+        new.append(p)
+        p = p.parent
+    out = prepare_dir(path, for_file=for_file)
+    try:
+        yield out
+    except BaseException:
+        for d in new:  # deepest first
+            try:
+                os.rmdir(d)
+            except OSError:  # not empty (or gone): it and its parents stay
+                break
+        raise
 
 
 TMP_PREFIX = ".tmp-"

@@ -14,10 +14,12 @@ fails the stream.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import os
+import signal
 import threading
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
@@ -181,11 +183,33 @@ _POOL_LOCK = threading.Lock()
 
 
 def _pool() -> ThreadPoolExecutor:
+    """The fetch pool of the process, made with its first thread running and registered. Made with
+    SIGINT/SIGTERM held back: an interrupt (which the CLI raises from its handler) landing between
+    the start of a pool's first thread and its registration would leave a thread that nothing tells
+    to stop, and the interpreter would wait for it at exit forever."""
     global _POOL
     with _POOL_LOCK:
         if _POOL is None:
-            _POOL = ThreadPoolExecutor(library_settings().store_concurrency, thread_name_prefix="reshard-fetch")
+            with _signals_held():
+                pool = ThreadPoolExecutor(library_settings().store_concurrency, thread_name_prefix="reshard-fetch")
+                pool.submit(int).result()
+                _POOL = pool
         return _POOL
+
+
+@contextlib.contextmanager
+def _signals_held() -> Iterator[None]:
+    """SIGINT and SIGTERM blocked in this thread for the block, delivered when it ends (where the
+    platform lets a thread block signals)."""
+    try:
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    except (AttributeError, OSError, ValueError):
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 @dataclass

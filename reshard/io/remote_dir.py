@@ -80,7 +80,7 @@ class RemoteDirectory:
         if hit is None:
             raise CheckpointError(f"{self.path(name)}: no such object")
         head, meta = hit
-        size, version = int(meta["size"]), object_version(meta)
+        size, version = int(meta["size"]), object_version(meta, where=self.path(name).url)
         if len(head) >= 8 and header_bytes_wanted(head, size) > len(head):
             rest, _ = self.store.get(self.key(name), len(head), header_bytes_wanted(head, size), version=version)
             head += bytes(rest)
@@ -91,7 +91,7 @@ class RemoteDirectory:
         where the store lists, else from a 1-byte ranged GET of each of `names` and of the files
         index.json names (plain HTTP)."""
         if self.can_list:
-            return {n: (int(m["size"]), object_version(m)) for n, m in self.listing()[1].items()}
+            return {n: (int(m["size"]), object_version(m, where=self.path(n).url)) for n, m in self.listing()[1].items()}
         wanted = set(names)
         index = self._fetch("model.safetensors.index.json")
         if index is not None:
@@ -105,7 +105,7 @@ class RemoteDirectory:
                 _, meta = self.store.get(self.key(name), 0, 1)
             except CheckpointError:  # no such object
                 continue
-            out[name] = (int(meta["size"]), object_version(meta))
+            out[name] = (int(meta["size"]), object_version(meta, where=self.path(name).url))
         return out
 
     def exists(self) -> bool:

@@ -92,8 +92,8 @@ class Store:
             data = memoryview(result.bytes())
         except Exception as e:
             raise self.error(e, key) from None
-        if version is not None and object_version(meta) != version:
-            raise SourceChangedError(f"{self.url(key)}: replaced while being read (ETag {object_version(meta)}, "
+        if version is not None and (now := object_version(meta, where=self.url(key))) != version:
+            raise SourceChangedError(f"{self.url(key)}: replaced while being read (ETag {now}, "
                                      f"planned {version}); re-plan and retry")
         return data, meta
 
@@ -200,17 +200,22 @@ def _cause(text: str) -> str | None:
     return m.group(1) if m else None
 
 
-def object_version(meta: dict[str, Any]) -> str:
-    """What identifies one version of an object: its ETag, else its version id, else its mtime."""
+def object_version(meta: dict[str, Any], *, where: str | None = None) -> str:
+    """What identifies one version of an object: its ETag, else its version id, else its mtime.
+
+    A server that sends none of them (obstore then reports the Unix epoch as the mtime) is refused
+    with a `StoreError`: a file rewritten there while it is read could not be told from the one
+    planned, and a rank file would mix the bytes of two versions."""
     if meta.get("e_tag"):
         return str(meta["e_tag"])
     if meta.get("version"):
         return f"version:{meta['version']}"
     modified = meta.get("last_modified")
-    if isinstance(modified, datetime.datetime):
+    if isinstance(modified, datetime.datetime) and modified.timestamp() > 0:
         return f"mtime:{modified.isoformat()}"
-    raise StoreError(f"{meta.get('path')}: the server gives no ETag, version or Last-Modified; "
-                     "changes to it could not be detected")
+    raise StoreError(f"{where or meta.get('path')}: the server sends no ETag and no Last-Modified, so a change to "
+                     "the file while it is read could not be detected; serve it with a server that sends ETag or "
+                     "Last-Modified (nginx, caddy, an object store), or copy the checkpoint to a local directory")
 
 
 def _make_store(root: str, endpoint: str) -> Any:

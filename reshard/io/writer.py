@@ -14,11 +14,12 @@ from typing import Any
 
 from reshard.errors import IntegrityError, SourceChangedError
 from reshard.format.checkpoint import CONFIG_NAME, Source
+from reshard.io.hashing import file_sha256
 from reshard.io.outfs import (
     check_space,
     fsync_dir,
+    made_dir,
     output_errors,
-    prepare_dir,
     remove_stale_temps,
     temp_path,
     write_json_atomic,
@@ -193,8 +194,14 @@ def write_shards(
     reshard.json plus `kept` and `written` (rank numbers).
 
     Each file is hashed by a thread that follows its writer; fsync and rename overlap the next rank.
+    A write that fails (or is interrupted) before publishing anything removes the directories it made.
     """
-    out = prepare_dir(out_dir)
+    with made_dir(out_dir) as out:
+        return _write_into(out, ckpt, plan, progress=progress, on_bytes=on_bytes)
+
+
+def _write_into(out: Path, ckpt: Source, plan: Plan, *, progress: bool | None,
+                on_bytes: Callable[[int], None] | None) -> dict[str, Any]:
     with output_errors(out, retry=RETRY):
         remove_stale_temps(out)
         record = _load_record(out / MANIFEST_NAME, plan.digest)
@@ -279,16 +286,6 @@ class _Published:
     def complete(self) -> None:
         """reshard.json now lists every file: the partial record is no longer needed."""
         self.path.unlink(missing_ok=True)
-
-
-def file_sha256(path: Path) -> str:
-    """sha256 of a file, read in blocks (no mapping)."""
-    sha = hashlib.sha256()
-    with open(path, "rb", buffering=0) as f:
-        buf = memoryview(bytearray(_Hasher.BLOCK))
-        while n := f.readinto(buf):
-            sha.update(buf[:n])
-    return sha.hexdigest()
 
 
 def _load_record(path: Path, digest: str) -> dict[str, Any]:

@@ -19,19 +19,17 @@ present, else the plan transformers declares for its `model_type` (installed, or
 
 from __future__ import annotations
 
-import fnmatch
 import functools
 import hashlib
 import json
-import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from operator import attrgetter
 from pathlib import Path
 from typing import Any
 
 from reshard.errors import ManifestError
 from reshard.rules.kinds import check_kind
+from reshard.rules.patterns import FirstMatch, PatternError, compile_glob, compile_regex
 
 _RULE_KEYS = {"pattern", "regex", "kind"}
 
@@ -47,14 +45,22 @@ class Rule:
 
     def __post_init__(self) -> None:
         check_kind(self.kind)
-        source = self.pattern if self.regex else fnmatch.translate(self.pattern)
-        try:
-            object.__setattr__(self, "_re", re.compile(source))
-        except re.error as e:
-            raise ManifestError(f"rule {self.pattern!r}: invalid regex: {e}") from None
+        try:  # RE2 (reshard.rules.patterns): matching time is linear in the name's length, whatever the pattern
+            compiled = compile_regex(self.pattern) if self.regex else compile_glob(self.pattern)
+        except PatternError as e:
+            raise ManifestError(f"rule {self.pattern!r}: {e}") from None
+        object.__setattr__(self, "_compiled", compiled)
 
     def matches(self, name: str) -> bool:
-        return self._re.fullmatch(name) is not None  # type: ignore[attr-defined]
+        return self._compiled.fullmatch(name)  # type: ignore[attr-defined]
+
+    def __getstate__(self) -> dict[str, Any]:  # the RE2 object does not pickle: compiled again on load
+        return {k: v for k, v in self.__dict__.items() if k != "_compiled"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        for k, v in state.items():
+            object.__setattr__(self, k, v)
+        self.__post_init__()
 
     def to_dict(self) -> dict[str, Any]:
         return {("regex" if self.regex else "pattern"): self.pattern, "kind": self.kind, **self.options}
@@ -75,30 +81,40 @@ class Manifest:
         return None
 
     def match_all(self, names: Iterable[str]) -> list[Rule | None]:
-        """`[self.match(n) for n in names]`, with one regex for all the rules where they combine: an
-        alternation of the rules' patterns, each in a group, matches the whole name with the first
-        rule that does (the regex engine tries the alternatives in order), and says which."""
-        combined = self._combined
-        if combined is None:
-            return [self.match(n) for n in names]
-        rules, found = (None, *self.rules), list(map(combined.fullmatch, names))
-        if None not in found:  # every name matched some rule: the rest in C as well
-            return list(map(rules.__getitem__, map(attrgetter("lastindex"), found)))  # type: ignore[arg-type]
-        return [None if m is None else rules[m.lastindex] for m in found]  # type: ignore[index]
+        """`[self.match(n) for n in names]`, all rules at once: plain names by dict lookup, the other
+        patterns through one RE2 `Set` (every pattern a name matches, in one pass; the first wins).
+        A rule that matches by more than its pattern (a subclass's `matches`) is asked itself, for the
+        names no rule before it matches."""
+        names = names if isinstance(names, list) else list(names)
+        if not self.rules:
+            return [None] * len(names)
+        plain, custom, combined = self._combined
+        rules = self.rules
+        found = combined.indices(names)
+        if not custom:
+            return [None if j < 0 else rules[plain[j]] for j in found]
+        out: list[Rule | None] = []
+        for name, j in zip(names, found):
+            best = plain[j] if j >= 0 else len(rules)
+            for i in custom:
+                if i >= best:
+                    break
+                if rules[i].matches(name):
+                    best = i
+                    break
+            out.append(rules[best] if best < len(rules) else None)
+        return out
 
     @functools.cached_property
-    def _combined(self) -> re.Pattern[str] | None:
-        """`(rule 1)|(rule 2)|...`, or None where a rule matches by more than its pattern (a subclass's
-        `matches`) or its own groups (or flags) would not survive the alternation."""
-        if not self.rules or any(type(r).matches is not Rule.matches for r in self.rules):
-            return None
-        patterns = [r._re for r in self.rules]  # type: ignore[attr-defined]
-        if any(p.groups or p.flags & ~re.UNICODE for p in patterns):
-            return None
-        try:
-            return re.compile("|".join(f"({p.pattern})" for p in patterns))
-        except re.error:  # e.g. a global flag such as (?i) that must start the pattern
-            return None
+    def _combined(self) -> tuple[list[int], list[int], FirstMatch]:
+        """The rules that match by their pattern alone and those that do not (indices into `rules`),
+        and the `FirstMatch` of the former."""
+        plain = [i for i, r in enumerate(self.rules) if type(r).matches is Rule.matches]
+        custom = [i for i, r in enumerate(self.rules) if type(r).matches is not Rule.matches]
+        return plain, custom, FirstMatch([self.rules[i]._compiled for i in plain])  # type: ignore[attr-defined]
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k != "_combined"}
 
     def to_dict(self) -> dict[str, Any]:
         return {"strict": self.strict, "rules": [r.to_dict() for r in self.rules]}

@@ -3,7 +3,7 @@
 Long-lived state lives on `app.state`: `settings`, `catalog` (parsed checkpoints and plans, cached
 by stat identity), `digests` (shard sha256 by ETag), `jobs` (background writes), `metrics` and
 `stream_context`; what several worker processes must agree on (jobs, digests) is in the SQLite
-`StateDB` they all open, and metrics are summed across them (`reshard.service.metrics`). Middleware is pure ASGI (metrics outermost, then the optional bearer token) so shard
+`StateDB` they all open (a cache for digests: downloads never depend on it), and metrics are summed across them (`reshard.service.metrics`). Middleware is pure ASGI (metrics outermost, then the optional bearer token) so shard
 bodies stream through untouched.
 """
 
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 from fastapi import Depends, FastAPI
 from fastapi.security import HTTPBearer
@@ -30,6 +31,7 @@ from reshard.service.settings import Settings
 from reshard.service.state import StateDB
 from reshard.service.store_catalog import StoreCatalog
 from reshard.service.streaming import StreamContext
+from reshard.service.uploads import remove_dead_uploads
 
 DESCRIPTION = """Tensor-parallel workers pull exactly their own shard of a checkpoint that lives only on
 this server, computed on the fly from the unmodified full checkpoint.
@@ -60,9 +62,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         catalog: Catalog = StoreCatalog(settings)
     else:
         catalog = Catalog(settings)
+    # the shared state never keeps a worker from starting: a store that fails answers 503/507 on the job
+    # routes until it works again; a worker that starts cleans up after workers that were killed
     state = StateDB(settings.jobs_dir, max_digests=settings.digest_cache)
     digests = DigestCache(min(settings.digest_cache, 1024), state)
     job_manager = JobManager(settings, catalog, digests, state)
+    if isinstance(settings.root, Path):
+        remove_dead_uploads(settings.root)
     service_metrics = ServiceMetrics(job_counts=job_manager.counts)
 
     @asynccontextmanager

@@ -14,7 +14,7 @@ import os
 import re
 import stat
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Generic, TypeVar
@@ -265,6 +265,17 @@ class Catalog:
     def plan(self, src: ServedCheckpoint, tp: int, *, ranks: list[int] | None = None) -> Plan:
         return make_plan(src.ckpt, src.manifest, tp, ranks=ranks)
 
+    def planner(self, src: ServedCheckpoint, tp: int) -> tuple[Plan, RankPlanner]:
+        """The plan of `tp` (no rank planned) and a fresh planner of its ranks, every rank's layout
+        checked first (a bad rule fails before an answer starts) and none kept: for one pass over the
+        ranks (`plan_ranks_once`, the JSON plan) in memory that does not grow with tp."""
+        planner, plan = make_planner(src.ckpt, src.manifest, tp)
+        for rank in range(tp):  # the collector paused rank by rank: a rank's layouts leave cycles behind
+            with paused_gc():
+                planner.layouts(rank)
+            _forget(planner, rank)
+        return plan, planner
+
     def rank_plan(self, src: ServedCheckpoint, tp: int, rank: int) -> tuple[str, RankPlan]:
         """(plan digest, RankPlan) for one rank, cached by stat identity, manifest, tp and rank; the
         tensor groups of a (checkpoint, manifest, tp) are kept too, so its other ranks plan fast."""
@@ -293,6 +304,22 @@ class Catalog:
         write_json_atomic(path, manifest.to_dict())
         return {"name": name, "label": label, "digest": manifest.digest(), "warnings": warnings,
                 "manifest": manifest.to_dict()}
+
+
+def _forget(planner: RankPlanner, rank: int) -> None:
+    """Drop the layouts `RankPlanner.layouts` keeps for a second `plan(rank)` (a RankPlan holds its own)."""
+    kept = getattr(planner, "_layouts", None)
+    if isinstance(kept, dict):
+        kept.pop(rank, None)
+
+
+def plan_ranks_once(planner: RankPlanner, ranks: Iterable[int]) -> Iterator[RankPlan]:
+    """`planner.plan(r)` for each of `ranks`, each rank's layouts dropped once it is planned."""
+    for rank in ranks:
+        with paused_gc():
+            rp = planner.plan(rank)
+        _forget(planner, rank)
+        yield rp
 
 
 def allowed_upload(filename: str) -> str:

@@ -1,9 +1,13 @@
-"""Accessors for the long-lived state `create_app` puts on `app.state`, as FastAPI dependencies."""
+"""Accessors for the long-lived state `create_app` puts on `app.state`, as FastAPI dependencies, and
+`off_loop`, which routes use for all that plans or validates rules."""
 
 from __future__ import annotations
 
-from typing import Annotated
+import functools
+from collections.abc import Callable
+from typing import Annotated, Any, TypeVar
 
+import anyio.to_thread
 from fastapi import Depends, Path, Query, Request
 
 from reshard.plan.types import MAX_TP
@@ -14,6 +18,16 @@ from reshard.service.metrics import ServiceMetrics
 from reshard.service.schemas import NAME_PATTERN
 from reshard.service.settings import Settings
 from reshard.service.streaming import StreamContext
+
+T = TypeVar("T")
+
+
+async def off_loop(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
+    """`fn(*args, **kwargs)` in a worker thread (anyio's pool, the one FastAPI runs `def` routes in):
+    reading checkpoints, deriving or validating rules and planning never run on the event loop, which
+    meanwhile answers /healthz and feeds the streams. (What used to stall a worker whole was Python's
+    `re` backtracking with the GIL held; rules now match on RE2: `reshard.rules.patterns`.)"""
+    return await anyio.to_thread.run_sync(functools.partial(fn, *args, **kwargs))
 
 
 def get_settings(request: Request) -> Settings:

@@ -1,10 +1,17 @@
-"""sha256 digests of shards by ETag, shared by every worker through the state database."""
+"""sha256 digests of shards by ETag, shared by every worker through the state database.
+
+The database is a cache here, never a dependency: when it cannot be read or written (a full or
+read-only file system: `StateUnavailableError`, which it logs once), a digest is computed or passed on
+as if it were not there, so downloads and `/digest` answer as usual.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import threading
 
+from reshard.errors import StateUnavailableError
 from reshard.io.stream import RankStream
 from reshard.plan.types import RankPlan
 from reshard.service.catalog import LRU
@@ -24,7 +31,10 @@ class DigestCache:
     def get(self, etag: str) -> str | None:
         hit = self._cache.get(etag)
         if hit is None and self._state is not None:
-            hit = self._state.get_digest(etag)
+            try:
+                hit = self._state.get_digest(etag)
+            except StateUnavailableError:
+                return None
             if hit is not None:
                 self._cache.put(etag, hit)
         return hit
@@ -32,7 +42,8 @@ class DigestCache:
     def put(self, etag: str, sha256: str) -> None:
         self._cache.put(etag, sha256)
         if self._state is not None:
-            self._state.put_digest(etag, sha256)
+            with contextlib.suppress(StateUnavailableError):  # the other workers compute it once more
+                self._state.put_digest(etag, sha256)
 
     def compute(self, etag: str, plan: RankPlan, *, chunk_size: int) -> tuple[str, bool]:
         """(sha256, was cached); blocking: call from a worker thread."""

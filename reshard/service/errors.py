@@ -6,12 +6,21 @@ no space 507, quota 507, read-only 503, permission 503, path 409, I/O 503) too, 
 OSError of a full or read-only disk is typed here before it is answered. Request validation answers 422, unknown
 routes 404, wrong methods 405, all with the same JSON shape. Anything else is a bug: it is logged with
 its traceback and answered 500 without internals.
+
+No answer shows where the server keeps its files (`ServerPaths`): a path under the root is named
+relative to it (`ckpt/model.safetensors`), one under the output, state or gather directory from that
+directory's name (`OUT/ckpt/tp-2`, `STATE/...`, `GATHER_DIR/...`, `CACHE/...` for a store root's
+stored manifests), and any other absolute path of the server by its last part (`.../name`).
 """
 
 from __future__ import annotations
 
 import errno
 import logging
+import os
+import re
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -20,7 +29,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from reshard.errors import ReshardError
+from reshard.errors import NoSpaceError, QuotaError, ReadOnlyError, ReshardError
 from reshard.io.outfs import output_error
 
 log = logging.getLogger("reshard.service")
@@ -62,9 +71,56 @@ class RangeNotSatisfiable(ReshardError):
 
 
 _STATUS_NAMES = {400: "BadRequest", 401: "Unauthorized", 403: "Forbidden", 404: "NotFound",
-                 405: "MethodNotAllowed", 409: "Conflict", 413: "PayloadTooLarge", 415: "UnsupportedMediaType",
-                 416: "RangeNotSatisfiable", 422: "ValidationError", 503: "ServiceUnavailable",
-                 507: "InsufficientStorage"}
+                 405: "MethodNotAllowed", 408: "RequestTimeout", 409: "Conflict", 413: "PayloadTooLarge",
+                 414: "URITooLong", 415: "UnsupportedMediaType", 416: "RangeNotSatisfiable", 422: "ValidationError",
+                 431: "RequestHeaderFieldsTooLarge", 503: "ServiceUnavailable", 507: "InsufficientStorage"}
+# an OSError of the output side that names no file (a write into an open file): no path, no free space to tell
+_UNNAMED = {errno.ENOSPC: (NoSpaceError, "no space left on the server's disk; free some space there, then try again"),
+            errno.EDQUOT: (QuotaError, "disk quota exceeded on the server; free some space there, then try again"),
+            errno.EROFS: (ReadOnlyError, "the server's disk is read-only; remount it read-write, then try again")}
+_END = r"""\s'"`:,;()\[\]{}<>"""  # what ends a path in a message
+_ABSOLUTE = re.compile(rf"(?<![\w.~:/\\-])/[^{_END}]+")
+
+
+class ServerPaths:
+    """The server's directories as error details may name them: `dirs` of (path, name, prefix), a path
+    `P/rest` shown as `prefix + rest` and `P` alone as `name`; other absolute paths of the server (their
+    first component exists here) as `.../last part`. `hide(text)` rewrites a detail."""
+
+    def __init__(self, dirs: Sequence[tuple[str, str, str]] = ()) -> None:
+        seen: dict[str, tuple[str, str]] = {}
+        for path, name, prefix in dirs:
+            for form in {path.rstrip("/"), os.path.realpath(path)}:
+                if form not in ("", "/") and form not in seen:
+                    seen[form] = (name, prefix)
+        self._dirs = sorted(seen.items(), key=lambda d: -len(d[0]))  # the innermost first
+
+    @classmethod
+    def of(cls, settings: Any) -> ServerPaths:
+        """The directories of `settings` (a `reshard.service.settings.Settings`)."""
+        dirs = [(str(settings.out_dir), "OUT", "OUT/"), (str(settings.jobs_dir), "STATE", "STATE/"),
+                (str(settings.gathered_dir), "GATHER_DIR", "GATHER_DIR/")]
+        if isinstance(settings.root, Path):
+            dirs.append((str(settings.root), "ROOT", ""))
+        else:  # a root in a store: its stored manifests are in a local cache
+            dirs.append((str(settings.state_dir), "CACHE", "CACHE/"))
+        return cls(dirs)
+
+    def hide(self, text: str) -> str:
+        for path, (name, prefix) in self._dirs:
+            if path in text:
+                text = re.sub(rf"(?<![\w.~/-]){re.escape(path)}(?:(/)|(?=\.?(?:[{_END}]|$)))",
+                              lambda m, n=name, p=prefix: p if m.group(1) else n, text)
+        return _ABSOLUTE.sub(_elide, text)
+
+
+def _elide(m: re.Match[str]) -> str:
+    """An absolute path of this machine as `.../last part`; anything else (a URL path) as it is."""
+    path = m.group(0).rstrip(".")
+    top = path.split("/")[1]
+    if not top or not os.path.lexists("/" + top):
+        return m.group(0)
+    return ".../" + os.path.basename(path.rstrip("/")) + m.group(0)[len(path):]
 
 
 
@@ -87,7 +143,10 @@ def typed(exc: BaseException) -> BaseException:
     """An OSError that can only come from writing (full disk, quota, read-only file system) as its
     `reshard.errors.OutputError` (507 / 503); any other exception as it is."""
     if isinstance(exc, OSError) and exc.errno in _WRITE_ERRNOS:
-        return output_error(exc, exc.filename or "the server's disk") or exc
+        if not exc.filename:
+            cls, text = _UNNAMED[exc.errno]
+            return cls(text)
+        return output_error(exc, exc.filename) or exc
     return exc
 
 
@@ -109,10 +168,11 @@ def error_response(status: int, error: str, detail: str, headers: dict[str, str]
     return JSONResponse(error_body(error, detail), status_code=status, headers=headers)
 
 
-def response_for(exc: BaseException, *, hide: str | None = None) -> JSONResponse:
+def response_for(exc: BaseException, *, hide: ServerPaths | str | None = None) -> JSONResponse:
     """The JSON answer to `exc` (also used by middleware and the shard stream before it starts).
 
-    `hide` (the served root) is cut from the detail, so answers name `ckpt/file`, not server paths.
+    The detail names no server path (`ServerPaths.hide`): `hide` gives the server's directories (a
+    string: the served root), so answers name `ckpt/file`; without it absolute paths are elided.
     """
     exc = typed(exc)
     status = status_for(exc)
@@ -124,8 +184,8 @@ def response_for(exc: BaseException, *, hide: str | None = None) -> JSONResponse
     if status >= 500 and not isinstance(exc, ReshardError):
         return error_response(500, "InternalError", "internal error; see the server log")
     detail = str(exc) if not isinstance(exc, FileNotFoundError) else f"{exc.filename or 'file'}: no such file"
-    if hide:
-        detail = detail.replace(hide.rstrip("/") + "/", "")
+    paths = ServerPaths([(hide, "ROOT", "")]) if isinstance(hide, str) else hide or ServerPaths()
+    detail = paths.hide(detail)
     return error_response(status, type(exc).__name__, detail, headers or None)
 
 
@@ -137,10 +197,10 @@ def _validation_detail(errors: Any) -> str:
     return "; ".join(parts)[:2000]
 
 
-def served_root(app: Any) -> str | None:
-    """The root to hide from error details, from `app.state.settings` when there is one."""
+def served_root(app: Any) -> ServerPaths:
+    """The server's directories to hide from error details, from `app.state.settings` when there is one."""
     settings = getattr(getattr(app, "state", None), "settings", None)
-    return str(settings.root) if settings is not None else None
+    return ServerPaths.of(settings) if settings is not None else ServerPaths()
 
 
 async def _reshard_error(request: Request, exc: Exception) -> JSONResponse:
@@ -162,7 +222,7 @@ async def _http_error(request: Request, exc: Exception) -> JSONResponse:
 
 
 async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-    if status_for(exc) < 500:
+    if status_for(exc) < 500 or isinstance(typed(exc), ReshardError):  # a full disk is no bug
         return response_for(exc, hide=served_root(request.app))
     log.error("unexpected error answering %s %s", request.method, request.url.path, exc_info=exc)
     return response_for(exc)
@@ -174,4 +234,7 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(FileNotFoundError, _unexpected)
+    # an OSError is answered here, not by Starlette's last-resort middleware, which re-raises it to the
+    # server after answering (a full disk would log "Exception in ASGI application" with a traceback)
+    app.add_exception_handler(OSError, _unexpected)
     app.add_exception_handler(Exception, _unexpected)

@@ -1,5 +1,10 @@
 """This server process: its owner id, its death with the supervisor, its signals, its heap and mappings.
 
+Owner ids (`this_process()`: pid and start time, so a reused pid is not mistaken for the process) mark
+what a worker leaves behind when it is killed: its jobs' rows in the state database, its uploads'
+temp files (`owner_tag` in the name); `is_alive`, `exited` and `pid_gone` tell whether that owner is
+gone, so whoever comes next may clean up.
+
 Helpers every worker of `reshard serve` uses, whatever started it (one process or `--workers N`);
 they know nothing of the app.
 """
@@ -11,6 +16,7 @@ import ctypes
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -105,3 +111,66 @@ def this_process() -> str:
 def is_alive(owner: str) -> bool:
     pid, _, started = owner.partition(":")
     return pid.isdigit() and _start_time(int(pid)) == started
+
+
+# --- owners of files: temp files name the process that writes them ---------------------------------
+
+REUSE_MARGIN = 1.0  # seconds: a pid's process that started this long after a file's last write is another one
+
+
+def owner_tag(owner: str | None = None) -> str:
+    """`owner` (default: this process) as a file-name part: `pid-start`."""
+    return (owner if owner is not None else this_process()).replace(":", "-")
+
+
+def tag_owner(tag: str) -> str:
+    """The owner id of an `owner_tag`."""
+    return tag.replace("-", ":", 1)
+
+
+def _started_epoch(pid: int) -> float | None:
+    """When process `pid` started, in seconds since the epoch (10 ms precision); None if gone or dead."""
+    ticks = _start_time(pid)
+    if ticks is None:
+        return None
+    since_boot = int(ticks) / os.sysconf("SC_CLK_TCK")  # boot-time based, as CLOCK_BOOTTIME
+    return time.time() - (time.clock_gettime(time.CLOCK_BOOTTIME) - since_boot)
+
+
+def pid_gone(pid: int, *, last_write: float) -> bool:
+    """Whether the writer `pid` of a file last written at `last_write` (epoch seconds) is gone: no such
+    process runs (a zombie does not), or the one that does started after that write (the pid was reused,
+    as it is after a restart in a fresh pid namespace)."""
+    started = _started_epoch(pid)
+    return started is None or started > last_write + REUSE_MARGIN
+
+
+def exited(owner: str) -> bool:
+    """Whether every thread of `owner` has ended. A SIGKILLed process shows as a zombie (`is_alive` is
+    false) as soon as its main thread has ended, while its other threads may still be finishing a
+    system call (a write, an open) and hold its files and locks; once this is true none can."""
+    if is_alive(owner):
+        return False
+    pid = owner.partition(":")[0]
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:
+        return True  # reaped
+    for task in tasks:
+        try:
+            state = (task / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if state not in ("Z", "X"):
+            return False
+    return True
+
+
+def wait_exited(owner: str, *, timeout: float) -> bool:
+    """Wait (at most `timeout` seconds) until `exited(owner)`; whether it did."""
+    deadline = time.monotonic() + timeout
+    while not exited(owner):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.02)
+    return True

@@ -1,12 +1,36 @@
-"""Ranges and ETags of shard responses, pure: parse `Range`, compare `If-None-Match` / `If-Range`."""
+"""Ranges and ETags of shard responses, pure: parse `Range`, compare `If-None-Match` / `If-Range`.
+
+Header lines, as RFC 9110 section 5.3 has them: a field that is not a list (`Range`, `If-Range`) may
+appear once, so a request with two lines of one answers 400 (which of them was meant is unknowable;
+answering either silently is the bug this avoids); a list field (`If-None-Match`) given on several lines
+is their comma-joined values. Within one `Range` field, several ranges (`bytes=0-1,5-6`) or a malformed
+one are ignored and the whole body answers 200, as RFC 9110 section 14.2 allows.
+"""
 
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 
-from reshard.service.errors import RangeNotSatisfiable
+from reshard.service.errors import BadRequest, RangeNotSatisfiable
 
 _RANGE_RE = re.compile(r"^\s*bytes\s*=\s*(\d*)\s*-\s*(\d*)\s*$")
+
+
+def single_header(headers: Mapping[str, str], name: str) -> str | None:
+    """The value of a header that may appear once (Starlette `Headers`); two lines of it: 400."""
+    values = headers.getlist(name)  # type: ignore[attr-defined]
+    if len(values) > 1:
+        shown = ", ".join(repr(v[:40]) for v in values[:4])
+        raise BadRequest(f"{len(values)} {name.title()} header lines ({shown}); send one (a `{name.title()}` field may not be "
+                         "repeated, RFC 9110 section 5.3)")
+    return values[0] if values else None
+
+
+def list_header(headers: Mapping[str, str], name: str) -> str | None:
+    """A list header's lines joined with commas (as RFC 9110 section 5.3 combines them); None if absent."""
+    values = headers.getlist(name)  # type: ignore[attr-defined]
+    return ", ".join(values) if values else None
 
 
 def shard_etag(plan_digest: str, rank: int) -> str:

@@ -56,6 +56,15 @@ class Settings(BaseSettings):
     checkpoint_cache: int = Field(64, ge=1, description="parsed checkpoints kept in memory")
     plan_cache: int = Field(1024, ge=1, description="rank plans kept in memory")
     digest_cache: int = Field(4096, ge=1, description="shard sha256 digests kept (by ETag, in the store all workers share)")
+    max_header_bytes: int = Field(64 << 10, ge=256, le=64 * MiB, description="largest request header fields "
+                                  "(names, values and separators, in all): 431 above it, before anything else runs")
+    max_headers: int = Field(100, ge=8, le=10_000, description="most header fields of one request: 431 above it")
+    max_url_bytes: int = Field(8 << 10, ge=256, le=64 * MiB, description="longest request target (path and "
+                               "query): 414 above it")
+    keep_alive_timeout: float = Field(30.0, gt=0, le=3600, description="seconds an idle connection stays open "
+                                      "between requests; a request head must also arrive whole within it, from the "
+                                      "connection's start or the head's first byte (408, or a silent close if "
+                                      "nothing came)")
     log_level: str = Field("info", description="uvicorn log level")
 
     @field_validator("root")

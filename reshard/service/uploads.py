@@ -3,7 +3,14 @@
 Nothing is published unless the whole body arrived within the size limit and the file validates
 (a safetensors header that matches the file's size, or a JSON config / index). The temp file lives in
 the checkpoint's own directory (same file system, so the rename is atomic) under a name no reader
-looks at (`.upload-*.part`), and is removed on every failure, client disconnects included.
+looks at (`.upload-PID-START-*.part`, naming the worker process that writes it), and is removed on every
+failure, client disconnects included. A worker that is killed cannot remove its own: the next worker to
+start (the supervisor's replacement, or a restart) removes every upload temp file whose owner is gone
+(`remove_dead_uploads`), and the checkpoint directory the upload created if nothing else is in it.
+
+A new name's directory is created by the first upload to it and removed again by a failed one when
+it is empty; an upload whose directory is removed that way before its temp file exists creates it
+again (the temp file keeps it from being removed after that).
 """
 
 from __future__ import annotations
@@ -11,7 +18,10 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import os
+import re
+import time
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -19,14 +29,65 @@ from typing import Any
 
 import anyio.to_thread
 
-from reshard.errors import CheckpointError, HeaderError
+from reshard.errors import CheckpointError, HeaderError, NotFoundError
 from reshard.format.checkpoint import INDEX_NAME, read_header
 from reshard.io.outfs import check_space, fsync_dir, output_errors
 from reshard.service.catalog import Catalog, allowed_upload, valid_name
 from reshard.service.errors import Conflict, PayloadTooLarge
+from reshard.service.leftovers import remove_dead
+from reshard.service.process import is_alive, owner_tag, tag_owner
 
+log = logging.getLogger("reshard.service")
 _FLUSH = 4 << 20
 _RETRY = "upload the file again"
+_TEMP = re.compile(r"^\.upload-(?:(\d+-\d+)-)?[0-9a-f]{32}\.part$")  # without an owner: an older version's
+_OWNERLESS_AGE = 3600.0  # seconds since its last write after which an ownerless upload temp file is removed
+_OPEN_TRIES = 8
+
+
+def remove_dead_uploads(root: Path) -> int:
+    """Remove the upload temp files under `root`'s checkpoint directories whose worker is gone (and a
+    directory left empty by that); how many files. Call when a worker starts."""
+    removed = 0
+    try:
+        dirs = [d for d in root.iterdir() if valid_name(d.name) and d.is_dir() and not d.is_symlink()]
+    except OSError:
+        return 0
+    for d in dirs:
+        n = remove_dead(d, _dead_temp)
+        removed += n
+        if n:
+            with contextlib.suppress(OSError):
+                d.rmdir()  # only if nothing else is in it: the upload created it
+    if removed:
+        log.warning("removed %d upload temp files that killed workers left under %s", removed, root)
+    return removed
+
+
+def _dead_temp(path: Path) -> bool:
+    m = _TEMP.match(path.name)
+    if m is None:
+        return False
+    if m.group(1) is not None:
+        return not is_alive(tag_owner(m.group(1)))
+    try:
+        return time.time() - path.lstat().st_mtime > _OWNERLESS_AGE
+    except FileNotFoundError:
+        return False
+
+
+def _open_temp(catalog: Catalog, name: str) -> tuple[Path, Path, int]:
+    """(checkpoint directory, temp file, its fd), the directory created when new. A failed upload to the
+    same new name may remove the directory between the two steps (it was empty): then again."""
+    for attempt in range(_OPEN_TRIES):
+        try:
+            directory = catalog.directory(name, create=True)
+            tmp = directory / f".upload-{owner_tag()}-{uuid.uuid4().hex}.part"
+            return directory, tmp, os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except (FileNotFoundError, NotFoundError):
+            if attempt == _OPEN_TRIES - 1 or os.path.lexists(catalog.root / name):
+                raise
+    raise AssertionError("unreachable")
 
 
 def _validate(path: Path, filename: str) -> dict[str, Any]:
@@ -78,15 +139,13 @@ async def _receive(
     new_dir = not os.path.lexists(catalog.root / name) if valid_name(name) and local else False
     if content_length is not None and local:
         check_space(catalog.root / name, content_length, fix=f"free some space on the server, then {_RETRY}")
-    directory = catalog.directory(name, create=True)
+    directory, tmp, fd = _open_temp(catalog, name)
     final = directory / filename
-    if final.is_dir() and not final.is_symlink():
-        raise Conflict(f"{name}/{filename} is a directory; refusing to replace it")
-    tmp = directory / f".upload-{uuid.uuid4().hex}.part"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     sha, size, pending = hashlib.sha256(), 0, bytearray()
     published = False
     try:
+        if final.is_dir() and not final.is_symlink():
+            raise Conflict(f"{name}/{filename} is a directory; refusing to replace it")
         async for piece in body:
             size += len(piece)
             if size > max_bytes:

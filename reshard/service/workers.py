@@ -10,11 +10,14 @@ worker to start (`reshard.service.jobs`).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import functools
 import os
 import shutil
 import signal
 import tempfile
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI
@@ -65,15 +68,25 @@ def _supervisor_class() -> type:
     return Supervisor
 
 
-def http_protocol(settings: Settings) -> str:
-    """uvicorn's `http` option: its httptools protocol, with ASGI's zero-copy send unless turned off."""
-    return "reshard.service.zerocopy:ZeroCopyProtocol" if settings.zero_copy else "httptools"
+def http_protocol(settings: Settings) -> Callable[..., asyncio.Protocol]:
+    """uvicorn's `http` option: its httptools protocol with bounded request heads, plus ASGI's
+    zero-copy send unless turned off (a partial of a class: it travels to spawned workers as it is)."""
+    from reshard.service.protocol import BoundedProtocol, HeadLimits
+    from reshard.service.zerocopy import ZeroCopyProtocol
+
+    return functools.partial(ZeroCopyProtocol if settings.zero_copy else BoundedProtocol,
+                             limits=HeadLimits.from_settings(settings))
+
+
+def uvicorn_options(settings: Settings) -> dict[str, Any]:
+    """The uvicorn `Config` options every `reshard serve` (one process or `--workers N`) shares."""
+    return {"host": settings.host, "port": settings.port, "log_level": settings.log_level,
+            "timeout_keep_alive": settings.keep_alive_timeout, "http": http_protocol(settings)}
 
 
 def serve_workers(settings: Settings, *, workers: int, access_log: bool) -> int:
     """Run `workers` worker processes on one socket until SIGTERM/SIGINT; 3 if the socket cannot be bound."""
     import uvicorn
-
 
     _Supervisor = _supervisor_class()
 
@@ -86,9 +99,8 @@ def serve_workers(settings: Settings, *, workers: int, access_log: bool) -> int:
     metrics_dir = tempfile.mkdtemp(prefix="reshard-metrics-")
     os.environ[MULTIPROC_ENV] = metrics_dir
     try:
-        config = uvicorn.Config("reshard.service.workers:worker_app", factory=True, host=settings.host, port=settings.port,
-                                workers=workers, log_level=settings.log_level, access_log=access_log,
-                                timeout_keep_alive=30, http=http_protocol(settings))
+        config = uvicorn.Config("reshard.service.workers:worker_app", factory=True, workers=workers,
+                                access_log=access_log, **uvicorn_options(settings))
         try:
             sock = config.bind_socket()
         except SystemExit:  # uvicorn has logged why (address in use...)

@@ -3,7 +3,7 @@
 A file range goes from the page cache to the socket with `os.sendfile`: no byte passes through
 Python, as with nginx's `sendfile on`. uvicorn (0.54) does not implement the extension (its pull
 request encode/uvicorn#1210 was never merged), so `ZeroCopyProtocol` adds it to the protocol
-`reshard serve` runs: every request's scope lists the extension, and the app's `send` accepts
+`reshard serve` runs (uvicorn's httptools protocol with bounded request heads, `BoundedProtocol`): every request's scope lists the extension, and the app's `send` accepts
 
     {"type": "http.response.zerocopysend", "file": fd or file object, "offset": int, "count": int,
      "more_body": bool}
@@ -36,8 +36,9 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
+from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
+from reshard.service.protocol import BoundedProtocol
 from reshard.service.pump import ZERO_COPY as EXTENSION
 
 CALL_MAX = 2 << 20  # bytes per sendfile call (nginx's sendfile_max_chunk): other streams get the loop between
@@ -172,9 +173,9 @@ class ZeroCopySend:
             transport.set_write_buffer_limits(high=high, low=low)
 
 
-class ZeroCopyProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol with the zero-copy send extension (not over TLS: the kernel
-    cannot encrypt what `sendfile` sends)."""
+class ZeroCopyProtocol(BoundedProtocol):
+    """uvicorn's httptools protocol, bounded (`reshard.service.protocol`), with the zero-copy send
+    extension (not over TLS: the kernel cannot encrypt what `sendfile` sends)."""
 
     def _start_asgi_task(self, cycle: RequestResponseCycle, app: Any) -> None:
         if self.transport.get_extra_info("sslcontext") is not None or not all(hasattr(cycle, a) for a in _CYCLE):

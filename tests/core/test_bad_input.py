@@ -428,14 +428,14 @@ def _(tmp: Path) -> Source:
     return _config_source(tmp, model_type="llama", base_model_tp_plan={"layers.*.mlp.up_proj": ["colwise"]})
 
 
-@case("config-zero-heads", ManifestError, "config.json: cannot derive attention sizes for "
-      "'layers.*.self_attn.qkv_proj' (num_attention_heads=None")
+@case("config-zero-heads", ManifestError, "config.json `num_attention_heads` = 0 (int) must be a positive integer: "
+      "reshard splits attention projections on head boundaries with it")
 def _(tmp: Path) -> Source:
     return _config_source(tmp, model_type="phi3", num_attention_heads=0, hidden_size=4, intermediate_size=4)
 
 
-@case("config-heads-missing", ManifestError, "config.json: cannot derive attention sizes for "
-      "'layers.*.self_attn.qkv_proj' (num_attention_heads=32, num_key_value_heads=32, head_dim=None)")
+@case("config-heads-missing", ManifestError, "config.json `hidden_size` = 4 is not a multiple of num_attention_heads "
+      "= 32, and config.json has no head_dim: the head size is unknown; set head_dim in config.json")
 def _(tmp: Path) -> Source:
     return _config_source(tmp, model_type="phi3", hidden_size=4, intermediate_size=4)
 

@@ -197,7 +197,7 @@ def test_job_fails_with_typed_error_then_succeeds(svc: tuple[Mount, LiveServer],
     if fault == "full":
         m.fill(leave=1 << 20)
         job = _job(srv)
-        want = ("NoSpaceError", f"MB in {out}, ")
+        want = ("NoSpaceError", f"MB in OUT/{NAME}/tp-{TP}, ")  # no server path is shown
     elif fault == "read-only":
         (m.path / "svc" / "out").mkdir(exist_ok=True)
         with m.readonly():
@@ -207,7 +207,7 @@ def test_job_fails_with_typed_error_then_succeeds(svc: tuple[Mount, LiveServer],
         out.parent.mkdir(parents=True)
         out.write_bytes(b"in the way")
         job = _job(srv)
-        want = ("OutputPathError", f"{out}: exists and is not a directory")
+        want = ("OutputPathError", f"OUT/{NAME}/tp-{TP}: exists and is not a directory")
         out.unlink()
     assert job["state"] == "failed", job
     assert job["error"]["error"] == want[0] and want[1] in job["error"]["detail"], job

@@ -126,6 +126,20 @@ class Mount:
                 p.unlink()
 
 
+@contextlib.contextmanager
+def mounted(kind: str, where: Path, *, size_mb: int) -> Iterator[Mount]:
+    """A fresh file system of `kind` at `where` for the block (the test is skipped where mounting is not
+    permitted), destroyed after it."""
+    try:
+        m = Mount.create(kind, where, size_mb=size_mb)
+    except MountError as e:
+        pytest.skip(f"cannot mount a {kind} here: {e}")
+    try:
+        yield m
+    finally:
+        m.destroy()
+
+
 def leftovers(directory: Path) -> list[str]:
     """Temp files a writer left behind (rank-file, upload and JSON temps)."""
     if not directory.is_dir():

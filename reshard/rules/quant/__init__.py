@@ -1,4 +1,4 @@
-"""Quantized checkpoints: FP8 weights shard together with their scales (see the README, "Adding a kind").
+"""Quantized checkpoints: FP8 weights shard together with their scales (see docs/manifest.md, "Adding a kind").
 
 - `scheme`: config.json `quantization_config` -> the scale granularity, one function per `quant_method`.
 - `kinds`: the quantized kinds (`column_fp8`, ...), one decorated factory each: a weight splits as its

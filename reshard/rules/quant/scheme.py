@@ -75,8 +75,8 @@ def scheme_from_config(config: dict[str, Any] | None) -> Scheme | None:
     if method not in _METHODS:
         raise ManifestError(
             f"config.json quantization_config: quant_method {method!r} is not supported (supported: "
-            f"{', '.join(sorted(_METHODS))}); its packed tensors would be split wrongly. See the README, "
-            "'Quantized checkpoints', for what each packed format needs"
+            f"{', '.join(sorted(_METHODS))}); its packed tensors would be split wrongly. See docs/quantization.md "
+            "for what each packed format needs"
         )
     return _METHODS[method](qc)
 
@@ -114,7 +114,7 @@ def _compressed_tensors(qc: dict[str, Any]) -> Scheme:
         if w.get("type") != "float" or w.get("num_bits") != 8:
             raise ManifestError(
                 f"{where}: group {gname!r} has {w.get('num_bits')}-bit {w.get('type')} weights; only 8-bit "
-                "float (FP8) is supported (packed int formats: see the README, 'Quantized checkpoints')"
+                "float (FP8) is supported (packed int formats: see docs/quantization.md)"
             )
         strategy = w.get("strategy")
         if strategy not in _CT_STRATEGIES:

@@ -62,6 +62,6 @@ def resolve_plan(config: dict[str, Any]) -> tuple[PlanEntry, str]:
             f"config.json: model_type {model_type!r} has no TP plan anywhere (no base_model_tp_plan in config.json, "
             f"none in {where}, none in the shipped table of {len(load_table()['plans'])} architectures from "
             f"transformers {table_version()}); write a rules file: put reshard-rules.yaml in the checkpoint "
-            f"directory or pass --rules FILE (see README, 'The manifest')"
+            f"directory or pass --rules FILE (see docs/manifest.md)"
         )
     return entry, source

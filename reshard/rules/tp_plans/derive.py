@@ -9,7 +9,7 @@ into; the plan entry for that parameter (or its module, as transformers looks th
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from reshard.errors import ManifestError
@@ -35,16 +35,81 @@ def generalize(name: str) -> str:
     return r"\.\d+".join(re.escape(p) for p in parts)
 
 
-def attention_sizes(entry: PlanEntry, config: dict[str, Any]) -> dict[str, Any]:
-    """Head counts and block sizes the implicit options need, through the config's attribute_map and defaults."""
-    def num(key: str) -> int | None:
-        v = entry.config_value(config, key)
-        return v if type(v) is int and v > 0 else None
+class ConfigSizes(Mapping[str, Any]):
+    """The sizes the implicit options read (`heads`, `kv_heads`, `head_dim`, `intermediate_size`), from
+    config.json through the config class's attribute_map and defaults. Each is checked when a rule
+    needs it: a positive integer that divides what it must, else one `ManifestError` naming the field.
+    An absent (or null) value is None: the option is left out, as transformers' defaults do."""
 
-    heads, hidden = num("num_attention_heads"), num("hidden_size")
-    head_dim = num("head_dim") or (hidden // heads if heads and hidden and hidden % heads == 0 else None)
-    return {"heads": heads, "kv_heads": num("num_key_value_heads") or heads, "head_dim": head_dim,
-            "intermediate_size": num("intermediate_size")}
+    KEYS = ("heads", "kv_heads", "head_dim", "intermediate_size")
+
+    def __init__(self, entry: PlanEntry, config: dict[str, Any]) -> None:
+        self.entry, self.config = entry, config
+        self._got: dict[str, int | None] = {}
+
+    def __getitem__(self, key: str) -> int | None:
+        if key not in self.KEYS:
+            raise KeyError(key)
+        if key not in self._got:
+            self._got[key] = getattr(self, f"_{key}")()
+        return self._got[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.KEYS)
+
+    def __len__(self) -> int:
+        return len(self.KEYS)
+
+    def _field(self, key: str) -> tuple[str, Any]:
+        """(how to name the field in an error, its value), as `PlanEntry.config_value` finds it."""
+        for name in (key, self.entry.attribute_map.get(key)):
+            if name and name in self.config:
+                return f"config.json `{name}`", self.config[name]
+        return f"`{key}` (the default of model_type {self.entry.model_type!r})", self.entry.defaults.get(key)
+
+    def _positive(self, key: str, use: str) -> tuple[str, int | None]:
+        where, value = self._field(key)
+        if value is not None and (type(value) is not int or value <= 0):
+            raise ManifestError(
+                f"{where} = {value!r} ({type(value).__name__}) must be a positive integer: reshard {use} with it; "
+                f"fix config.json or write a rules file")
+        return where, value
+
+    def _heads(self) -> int | None:
+        return self._positive("num_attention_heads", "splits attention projections on head boundaries")[1]
+
+    def _kv_heads(self) -> int | None:
+        where, kv = self._positive("num_key_value_heads", "splits k_proj / v_proj on kv-head boundaries")
+        heads = self["heads"]
+        if kv is None:
+            return heads
+        if heads is not None and heads % kv:
+            raise ManifestError(
+                f"{where} = {kv} does not divide num_attention_heads = {heads} (each kv head serves "
+                f"num_attention_heads / num_key_value_heads query heads); fix config.json or write a rules file")
+        return kv
+
+    def _head_dim(self) -> int | None:
+        head_dim = self._positive("head_dim", "sizes the blocks of a fused qkv_proj")[1]
+        heads = self["heads"]
+        if head_dim is not None or heads is None:
+            return head_dim
+        where, hidden = self._positive("hidden_size", "derives head_dim (absent) from it")
+        if hidden is None:
+            return None
+        if hidden % heads:
+            raise ManifestError(
+                f"{where} = {hidden} is not a multiple of num_attention_heads = {heads}, and config.json has no "
+                f"head_dim: the head size is unknown; set head_dim in config.json or write a rules file")
+        return hidden // heads
+
+    def _intermediate_size(self) -> int | None:
+        return self._positive("intermediate_size", "sizes the blocks of a fused gate_up_proj")[1]
+
+
+def attention_sizes(entry: PlanEntry, config: dict[str, Any]) -> ConfigSizes:
+    """The sizes the implicit options read from config.json, each checked when first read."""
+    return ConfigSizes(entry, config)
 
 
 class PlanRules:

@@ -24,6 +24,7 @@ on separate q/k/v (OLMoE): there the bytes are the same as transformers'.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from reshard.errors import ManifestError
@@ -47,7 +48,9 @@ Kind = tuple[str, dict[str, Any]]
 class StyleMapper:
     """Maps (style, where it applies) to a reshard kind and options for one architecture's config."""
 
-    def __init__(self, *, model_type: str, sizes: dict[str, Any], base_plan: dict[str, str]) -> None:
+    def __init__(self, *, model_type: str, sizes: Mapping[str, Any], base_plan: dict[str, str]) -> None:
+        """`sizes`: heads, kv_heads, head_dim, intermediate_size (`reshard.rules.tp_plans.derive.ConfigSizes`:
+        read from config.json and checked when first looked up)."""
         self.model_type, self.sizes, self.base_plan = model_type, sizes, base_plan
 
     def check(self, key: str, style: Any) -> None:
@@ -130,11 +133,13 @@ class StyleMapper:
         return False
 
     def _heads(self, leaf: str) -> dict[str, Any]:
-        heads, kv = self.sizes.get("heads"), self.sizes.get("kv_heads")
-        if leaf in Q_HEADS and heads:
-            return {"heads": heads}
-        if leaf in KV_HEADS and kv:
-            return {"heads": kv, "replicate_heads": True}
+        """Head options of a per-head projection; each config value is read (and checked) only where used."""
+        if leaf in Q_HEADS:
+            heads = self.sizes.get("heads")
+            return {"heads": heads} if heads else {}
+        if leaf in KV_HEADS:
+            kv = self.sizes.get("kv_heads")
+            return {"heads": kv, "replicate_heads": True} if kv else {}
         return {}
 
     def _packed_blocks(self, key: str, leaf: str) -> dict[str, Any]:

@@ -1,17 +1,27 @@
-"""Checkpoints: list, describe, plan, store a manifest, upload a file."""
+"""Checkpoints: list, describe, plan, store a manifest, upload a file.
+
+What plans or validates rules runs in worker threads: the `def` routes in FastAPI's pool, the `async`
+ones through `off_loop`; the JSON plan is streamed rank by rank, so a worker's memory does not grow
+with tp (a tp=4096 plan of a small checkpoint is tens of MB of JSON).
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import json
+from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Path, Query, Request, Response
+from fastapi.responses import StreamingResponse
 from pydantic import Field
 
-from reshard.plan.types import MAX_TP, plan_to_json
+from reshard.plan.planner import RankPlanner
+from reshard.plan.types import MAX_TP, Plan, plan_to_json
 from reshard.rules.manifest import Manifest
-from reshard.service.catalog import DEFAULT_LABEL
-from reshard.service.deps import TP, CatalogDep, Label, MetricsDep, Name, Rules, SettingsDep
-from reshard.service.errors import error_responses
+from reshard.service.catalog import DEFAULT_LABEL, plan_ranks_once
+from reshard.service.deps import TP, CatalogDep, Label, MetricsDep, Name, Rules, SettingsDep, off_loop
+from reshard.service.errors import BadRequest, error_responses
 from reshard.service.ranges import shard_etag
 from reshard.service.schemas import (
     CheckpointList,
@@ -25,6 +35,8 @@ from reshard.service.schemas import (
 from reshard.service.uploads import receive_upload
 
 router = APIRouter(prefix="/v1/checkpoints", tags=["checkpoints"])
+MAX_LISTED = 1 << 20  # tensor entries (tp x tensors) one JSON plan lists
+_BATCH = 4096  # tensor entries planned and rendered per worker-thread call
 FILE_PATTERN = r"^([A-Za-z0-9][A-Za-z0-9_-]*(\.[A-Za-z0-9_-]+)*\.safetensors|config\.json|model\.safetensors\.index\.json)$"
 
 
@@ -49,17 +61,59 @@ def get_checkpoint(name: Name, catalog: CatalogDep, rules: Rules = None) -> dict
     response_model=PlanOut,
     summary="The plan of every rank for `tp` (from headers alone)",
     description="Per rank: file name, ETag of its shard, bytes, replicated bytes, bytes read from the "
-    "source, header size and (unless `tensors=false`) every output tensor with its source selection.",
+    "source, header size and (unless `tensors=false`) every output tensor with its source selection. "
+    "The answer is streamed rank by rank (planned as it is sent, every rank checked before the first "
+    f"byte); with `tensors=true`, tp x tensors may be at most {MAX_LISTED} (400 beyond: ask with "
+    "`tensors=false`, or for one rank's shard headers).",
     responses=error_responses(400, 401, 404, 422),
 )
-def get_plan(name: Name, tp: TP, catalog: CatalogDep, rules: Rules = None,
-             tensors: Annotated[bool, Query(description="list every tensor of every rank")] = True) -> dict[str, Any]:
-    src = catalog.source(name, rules=rules)
-    plan = catalog.plan(src, tp)
-    out = plan_to_json(plan, tensors=tensors)
-    for entry in out["ranks"]:
-        entry["etag"] = shard_etag(plan.digest, entry["rank"])
-    return out
+async def get_plan(name: Name, tp: TP, catalog: CatalogDep, rules: Rules = None,
+                   tensors: Annotated[bool, Query(description="list every tensor of every rank")] = True) -> Response:
+    src = await off_loop(catalog.source, name, rules=rules)
+    count = len(src.ckpt.global_tensors())
+    if tensors and tp * count > MAX_LISTED:
+        raise BadRequest(
+            f"the plan of {name!r} at tp={tp} would list {tp} x {count} = {tp * count} tensors, over the "
+            f"{MAX_LISTED} one answer lists; ask with tensors=false (each rank's totals), for a smaller tp, "
+            "or for one rank (HEAD .../shards/RANK?tp=N)")
+    plan, planner = await off_loop(catalog.planner, src, tp)
+    per = max(1, _BATCH // max(1, count if tensors else 16))
+    return StreamingResponse(_plan_json(plan, planner, tensors=tensors, per=per), media_type="application/json")
+
+
+def _dumps(obj: Any) -> bytes:
+    """As FastAPI's JSONResponse renders."""
+    return json.dumps(obj, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":")).encode("utf-8")
+
+
+def _ranks_json(plan: Plan, planner: RankPlanner, ranks: range, *, tensors: bool) -> bytes:
+    """`plan_to_json`'s entries of `ranks` (with their ETags), comma-joined, each rank's plan dropped once written."""
+    out = []
+    for rp in plan_ranks_once(planner, ranks):
+        entry = plan_to_json(dataclasses.replace(plan, ranks=(rp,)), tensors=tensors)["ranks"][0]
+        head = {"rank": entry.pop("rank"), "file": entry.pop("file"), "etag": shard_etag(plan.digest, rp.rank)}
+        listed = entry.get("tensors")
+        if not isinstance(listed, list):
+            out.append(_dumps({**head, **entry}))
+            continue
+        # the tensors a few hundred at a time: json's encoder holds the GIL for a whole call
+        entry["tensors"] = None
+        first, rest = _dumps({**head, **entry}).split(b'"tensors":null', 1)
+        pieces = [_dumps(listed[i : i + 256])[1:-1] for i in range(0, len(listed), 256)]
+        out.append(first + b'"tensors":[' + b",".join(pieces) + b"]" + rest)
+    return b",".join(out)
+
+
+async def _plan_json(plan: Plan, planner: RankPlanner, *, tensors: bool, per: int) -> AsyncIterator[bytes]:
+    """The `PlanOut` JSON, a batch of `per` ranks at a time, each planned in a worker thread."""
+    head = {"tp": plan.tp, "plan": plan.digest, "manifest_source": plan.manifest.source,
+            "warnings": list(plan.warnings)}
+    yield _dumps(head)[:-1] + b',"ranks":['
+    for start in range(0, plan.tp, per):
+        batch = range(start, min(start + per, plan.tp))
+        body = await off_loop(_ranks_json, plan, planner, batch, tensors=tensors)
+        yield (b"," + body) if start else body
+    yield b"]}"
 
 
 @router.get(
@@ -82,13 +136,13 @@ def get_rules(name: Name, catalog: CatalogDep, label: Rules = None) -> dict[str,
     "`?rules=LABEL` on the other endpoints.",
     responses=error_responses(400, 401, 404, 413, 422),
 )
-def put_rules(name: Name, body: ManifestIn, catalog: CatalogDep,
-              label: Label = DEFAULT_LABEL,
-              tp: Annotated[list[Annotated[int, Field(ge=1, le=MAX_TP)]] | None,
-                            Query(description="degrees that must plan", max_length=64)] = None
-              ) -> dict[str, Any]:
-    manifest = Manifest.from_dict(body.to_obj(), source=f"stored manifest {label!r}")
-    return catalog.store_rules(name, manifest, label=label, tps=tp or ())
+async def put_rules(name: Name, body: ManifestIn, catalog: CatalogDep,
+                    label: Label = DEFAULT_LABEL,
+                    tp: Annotated[list[Annotated[int, Field(ge=1, le=MAX_TP)]] | None,
+                                  Query(description="degrees that must plan", max_length=64)] = None
+                    ) -> dict[str, Any]:
+    manifest = await off_loop(Manifest.from_dict, body.to_obj(), source=f"stored manifest {label!r}")
+    return await off_loop(catalog.store_rules, name, manifest, label=label, tps=tp or ())
 
 
 @router.put(

@@ -19,8 +19,9 @@ router = APIRouter(tags=["jobs"])
     response_model=JobOut,
     summary="Write rank files in the background",
     description="Plans `tp` (all ranks, or `ranks`) now and answers 202; the rank files, config.json and "
-    "reshard.json are then written atomically to OUT/NAME/tp-N. Poll `GET /v1/jobs/{id}`.",
-    responses=error_responses(400, 401, 404, 422),
+    "reshard.json are then written atomically to OUT/NAME/tp-N. Poll `GET /v1/jobs/{id}`. While the "
+    "server's job database cannot be written, answers 507 (its file system is full) or 503.",
+    responses=error_responses(400, 401, 404, 422, 503, 507),
 )
 def submit_job(name: Name, body: JobIn, jobs: JobsDep, response: Response) -> JobOut:
     job = jobs.submit(name, body.tp, ranks=body.ranks, rules=body.rules)
@@ -29,7 +30,7 @@ def submit_job(name: Name, body: JobIn, jobs: JobsDep, response: Response) -> Jo
 
 
 @router.get("/v1/jobs", response_model=list[JobOut], summary="Known jobs, oldest first",
-            responses=error_responses(401))
+            responses=error_responses(401, 503, 507))
 def list_jobs(jobs: JobsDep) -> list[JobOut]:
     return [JobOut(**j.to_json()) for j in jobs.list_jobs()]
 
@@ -38,7 +39,7 @@ def list_jobs(jobs: JobsDep) -> list[JobOut]:
     "/v1/jobs/{job_id}",
     response_model=JobOut,
     summary="A job's state, bytes done / total, output paths and error",
-    responses=error_responses(401, 404, 422),
+    responses=error_responses(401, 404, 422, 503, 507),
 )
 def get_job(job_id: Annotated[str, Path(max_length=64)], jobs: JobsDep) -> JobOut:
     return JobOut(**jobs.get(job_id).to_json())

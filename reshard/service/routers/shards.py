@@ -3,6 +3,8 @@
 The body is the rank's safetensors file, byte-identical to `reshard write`'s, computed on the fly
 from the unmodified checkpoint. `Content-Length` comes first, the ETag names the plan (source
 identity, manifest, tp) and the rank, single byte ranges answer 206 and `If-None-Match` 304.
+`get_shard` is a `def` route (FastAPI runs it in its thread pool: planning stays off the event loop);
+the digest route hands its planning and hashing to worker threads itself.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from fastapi import APIRouter, Header, Path, Request, Response
 from reshard.plan.types import rank_file_name
 from reshard.service.deps import TP, CatalogDep, DigestsDep, MetricsDep, Name, Rules, StreamDep
 from reshard.service.errors import error_responses
-from reshard.service.ranges import etag_matches, parse_range, shard_etag
+from reshard.service.ranges import etag_matches, list_header, parse_range, shard_etag, single_header
 from reshard.service.schemas import DigestOut
 from reshard.service.streaming import SHA_HEADER, ShardResponse
 
@@ -27,7 +29,9 @@ _SHARD_DOC = """The rank's safetensors file (`application/octet-stream`), stream
 
 * `Content-Length` is sent before the first byte; `HEAD` sends the same headers and no body.
 * `ETag` (strong) identifies source files, manifest, tp and rank; `If-None-Match` answers 304.
-* `Range: bytes=a-b` (one range) answers 206 with `Content-Range`; a range past the end answers 416.
+* `Range: bytes=a-b` (one range) answers 206 with `Content-Range`; a range past the end answers 416;
+  several ranges in one field, or a malformed one, are ignored (200, the whole file). Two `Range` (or
+  `If-Range`) header lines answer 400: the field may appear once (RFC 9110 section 5.3).
   `If-Range` with a different ETag answers 200 with the whole file.
 * `X-Reshard-Sha256` is sent once the digest is known (see `.../digest`); the first full download
   of a shard computes it on the way, so a client asking for it afterwards gets it at once.
@@ -41,6 +45,10 @@ def get_shard(
     if_range: Annotated[str | None, Header()] = None,
     if_none_match: Annotated[str | None, Header()] = None,
 ) -> Response:
+    # the header parameters document the route; the values come from every line the client sent
+    range_ = single_header(request.headers, "range")
+    if_range = single_header(request.headers, "if-range")
+    if_none_match = list_header(request.headers, "if-none-match")
     src = catalog.source(name, rules=rules)
     digest, rp = catalog.rank_plan(src, tp, rank)
     etag = shard_etag(digest, rank)

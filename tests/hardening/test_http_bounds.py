@@ -1,0 +1,274 @@
+"""Request heads are bounded before anything else runs, on every worker of `reshard serve --workers 2`,
+with zero-copy on (`ZeroCopyProtocol`) and off (plain httptools): 431 for too many or too long headers
+(200 MB of them sent by a client without the token: the answer comes at once, the sender is cut off
+and the workers' RssAnon stays where it was), 414 for a 100 KB URL, 408 or a close for a connection
+that sends no whole request within the keep-alive timeout, each with the JSON error body; `HEAD
+/healthz` answers as GET; a response in progress is not cut by a refused pipelined head."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.support import hard
+from tests.support.live import LiveServer, process_tree
+
+pytestmark = [pytest.mark.servers, pytest.mark.timeout(300)]
+
+TOKEN = "bounds-token"
+KEEP_ALIVE = 1.0  # the servers' --keep-alive-timeout (s)
+FLOOD = 200 << 20  # bytes of headers a flooding client tries to send
+MiB = 1 << 20
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["zero-copy", "no-zero-copy"])
+def srv(request: pytest.FixtureRequest, ckpt_root: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    with hard.live_server(ckpt_root, token=TOKEN, log_dir=tmp_path_factory.mktemp("bounds-logs"),
+                          keep_alive_timeout=KEEP_ALIVE, zero_copy=request.param) as s:
+        yield s
+        assert s.alive(), s.log()
+        assert "Traceback" not in s.log(), s.log()
+
+
+# --- raw connections, and which worker holds each ---------------------------------------------------
+
+def _port(srv: LiveServer) -> int:
+    return int(srv.url.rsplit(":", 1)[1])
+
+
+def _owner(srv: LiveServer, sock: socket.socket) -> int | None:
+    """The worker process that accepted `sock` (its socket inode in /proc/net/tcp, then the fd)."""
+    here = sock.getsockname()[1]
+    inode = None
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        f = line.split()
+        ports = int(f[1].rsplit(":", 1)[1], 16), int(f[2].rsplit(":", 1)[1], 16)
+        if ports == (_port(srv), here) and f[3] == "01" and f[9] != "0":  # established (not an old TIME_WAIT)
+            inode = f[9]
+    if inode is None:
+        return None  # not accepted yet
+    for pid in process_tree(srv.proc.pid):
+        try:
+            fds = list(Path(f"/proc/{pid}/fd").iterdir())
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                if fd.readlink().name == f"socket:[{inode}]":
+                    return pid
+            except OSError:
+                continue
+    return None
+
+
+def _on_every_worker(srv: LiveServer, *, tries: int = 64) -> Iterator[socket.socket]:
+    """Fresh connections, one per worker: each is opened when the caller is done with the one before,
+    and given to it only if a worker that has not had one accepted it (others are closed at once)."""
+    seen: set[int] = set()
+    for _ in range(tries):
+        s = socket.create_connection(("127.0.0.1", _port(srv)), timeout=10)
+        owner: list[int | None] = [None]
+        assert hard.wait_for(lambda s=s, o=owner: o.__setitem__(0, _owner(srv, s)) or o[0] is not None, 10)
+        if owner[0] in seen:
+            s.close()
+            continue
+        seen.add(owner[0])  # type: ignore[arg-type]
+        yield s
+        if len(seen) == hard.WORKERS:
+            return
+    raise AssertionError(f"{tries} connections all went to workers {sorted(seen)}")
+
+
+def _read_all(sock: socket.socket, timeout: float) -> tuple[bytes, float]:
+    """Everything the server sends until it closes (or `timeout`), and when the first byte came."""
+    sock.settimeout(timeout)
+    got, first, t0 = b"", None, time.monotonic()
+    try:
+        while chunk := sock.recv(65536):
+            got += chunk
+            first = first or time.monotonic() - t0
+    except (TimeoutError, ConnectionResetError):
+        pass
+    return got, first if first is not None else time.monotonic() - t0
+
+
+def _json_answer(raw: bytes) -> tuple[int, dict[str, str], Any]:
+    head, _, body = raw.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = dict(ln.split(": ", 1) for ln in lines[1:])
+    assert headers.get("content-type") == "application/json", raw[:500]
+    return int(lines[0].split()[1]), headers, json.loads(body)
+
+
+class Flood:
+    """A client sending `head` and then `piece` over and over (up to FLOOD bytes) on its own thread,
+    stopping at the first error (the server cut it off) or when told."""
+
+    def __init__(self, sock: socket.socket, head: bytes, piece: bytes) -> None:
+        self.sock, self.sent, self.error = sock, 0, None
+        self.stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(head, piece), daemon=True)
+        self._thread.start()
+
+    def _run(self, head: bytes, piece: bytes) -> None:
+        try:
+            self.sock.sendall(head)
+            self.sent = len(head)
+            while self.sent < FLOOD and not self.stop.is_set():
+                self.sock.sendall(piece)
+                self.sent += len(piece)
+        except OSError as e:
+            self.error = e
+
+    def join(self) -> int:
+        self.stop.set()
+        self._thread.join(30)
+        assert not self._thread.is_alive()
+        return self.sent
+
+
+# --- headers -------------------------------------------------------------------------------------
+
+FLOODS = {
+    # 1 KB headers: the byte limit comes before the count
+    "many-headers": (b"X-Pad-%d: " % 0 + b"a" * 1000 + b"\r\n", "header fields longer than 65536 bytes"),
+    # one header whose value never ends: the parser would keep it all, the head counter stops it
+    "endless-value": (b"a" * 65536, "request head longer than"),
+}
+
+
+@pytest.mark.parametrize("shape", FLOODS)
+def test_header_flood_is_answered_431_at_once_and_memory_stays(srv: LiveServer, shape: str) -> None:
+    piece, why = FLOODS[shape]
+    head = b"GET /v1/checkpoints HTTP/1.1\r\nHost: x\r\n" + (b"X-Long: " if shape == "endless-value" else b"")
+    before = hard.rss_anon(srv.proc.pid)
+    for sock in _on_every_worker(srv):
+        with sock:
+            t0 = time.monotonic()
+            flood = Flood(sock, head, piece)
+            raw, first = _read_all(sock, 20)
+            sent = flood.join()
+        assert raw, f"no answer in 20 s ({sent} bytes sent)"
+        status, headers, body = _json_answer(raw)
+        assert (status, body["error"]) == (431, "RequestHeaderFieldsTooLarge"), raw[:500]
+        assert why in body["detail"] and headers["connection"] == "close", body
+        assert first < 5, f"the answer came {first:.1f} s after the flood began"
+        assert sent < 64 * MiB, f"{sent} bytes were taken before the server cut the client off"
+        assert time.monotonic() - t0 < 15
+    grown = hard.rss_anon(srv.proc.pid) - before
+    assert grown < 32 * MiB, f"the server's RssAnon grew by {grown / MiB:.0f} MiB"
+    assert httpx.get(srv.url + "/healthz", timeout=10).status_code == 200
+
+
+def test_too_many_headers_431(srv: LiveServer) -> None:
+    fields = "".join(f"X-{i}: y\r\n" for i in range(101))
+    for sock in _on_every_worker(srv):
+        with sock:
+            sock.sendall(f"GET /healthz HTTP/1.1\r\nHost: x\r\n{fields}\r\n".encode())
+            status, _, body = _json_answer(_read_all(sock, 10)[0])
+        assert (status, body["error"]) == (431, "RequestHeaderFieldsTooLarge"), body
+        assert "more than 100 header fields" in body["detail"], body
+    ok = "".join(f"X-{i}: y\r\n" for i in range(90))  # within the limit: answered as usual
+    status, raw = hard.raw_http(srv, f"GET /healthz HTTP/1.1\r\nHost: x\r\n{ok.rstrip()}")
+    assert status == 200, raw
+
+
+def test_long_url_414_json(srv: LiveServer) -> None:
+    target = "/v1/checkpoints/llama?" + "a" * 100_000
+    for sock in _on_every_worker(srv):
+        with sock:
+            sock.sendall(f"GET {target} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+            raw, first = _read_all(sock, 10)
+        status, headers, body = _json_answer(raw)
+        assert (status, body["error"]) == (414, "URITooLong"), raw[:500]
+        assert "longer than 8192 bytes" in body["detail"] and headers["connection"] == "close"
+    status, raw = hard.raw_http(srv, f"GET /v1/checkpoints/llama?{'a' * 4000} HTTP/1.1\r\nHost: x")
+    assert status == 401, raw  # within the limit: on to the token check
+
+
+def test_garbage_request_400_json(srv: LiveServer) -> None:
+    status, raw = hard.raw_http(srv, "NOT-HTTP\x01 / HTTP/1.1\r\nHost: x")
+    status, _, body = _json_answer(raw)
+    assert (status, body["error"]) == (400, "BadRequest") and "invalid HTTP request" in body["detail"], raw
+
+
+# --- the head's deadline ---------------------------------------------------------------------------
+
+def test_connection_that_sends_nothing_is_closed_after_keep_alive(srv: LiveServer) -> None:
+    for sock in _on_every_worker(srv):
+        with sock:
+            t0 = time.monotonic()
+            raw, _ = _read_all(sock, KEEP_ALIVE + 5)
+            waited = time.monotonic() - t0
+        assert raw == b"", raw  # closed without an answer: nothing was asked
+        assert waited < KEEP_ALIVE + 3, f"still open {waited:.1f} s after connecting"
+        assert waited >= KEEP_ALIVE * 0.7, f"closed after {waited:.1f} s, before the keep-alive timeout"
+
+
+def test_partial_head_408_after_keep_alive(srv: LiveServer) -> None:
+    for sock in _on_every_worker(srv):
+        with sock:
+            t0 = time.monotonic()
+            sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")  # no blank line: the head never ends
+            raw, first = _read_all(sock, KEEP_ALIVE + 5)
+        status, headers, body = _json_answer(raw)
+        assert (status, body["error"]) == (408, "RequestTimeout") and headers["connection"] == "close", raw
+        assert KEEP_ALIVE * 0.8 <= time.monotonic() - t0 < KEEP_ALIVE + 3
+
+
+def test_slow_head_is_not_kept_alive_by_dribbling(srv: LiveServer) -> None:
+    """A byte at a time, each well within the timeout: the head as a whole must still arrive in time."""
+    with socket.create_connection(("127.0.0.1", _port(srv)), timeout=10) as sock:
+        t0 = time.monotonic()
+        try:
+            for b in b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 100:
+                sock.sendall(bytes([b]))
+                time.sleep(KEEP_ALIVE / 5)
+                if time.monotonic() - t0 > KEEP_ALIVE + 3:
+                    break
+        except OSError:
+            pass
+        raw, _ = _read_all(sock, 5)
+    assert _json_answer(raw)[0] == 408, raw
+    assert time.monotonic() - t0 < KEEP_ALIVE + 5
+
+
+# --- HEAD /healthz, and what a refusal leaves alone ---------------------------------------------------
+
+def test_head_healthz_200(srv: LiveServer) -> None:
+    get = httpx.get(srv.url + "/healthz", timeout=10)
+    for sock in _on_every_worker(srv):
+        with sock:
+            sock.sendall(b"HEAD /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            raw, _ = _read_all(sock, 10)
+        head, _, body = raw.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200 "), raw
+        assert body == b"" and f"content-length: {len(get.content)}".encode() in head, raw
+    assert httpx.head(srv.url + "/healthz", timeout=10).status_code == 200  # no token needed
+
+
+def test_refused_pipelined_head_does_not_cut_the_response_in_progress(srv: LiveServer) -> None:
+    """A shard download, and behind it on the same connection a head that grows past the limit while
+    the shard is still going out: the shard arrives whole, then the connection closes."""
+    url = "/v1/checkpoints/big/shards/0?tp=2"
+    size = int(httpx.head(srv.url + url, headers=srv.headers(), timeout=30).headers["content-length"])
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)  # the shard cannot all be sent at once
+        sock.settimeout(10)
+        sock.connect(("127.0.0.1", _port(srv)))
+        sock.sendall(f"GET {url} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n\r\n".encode())
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Long: " + b"a" * (200 << 10))
+        time.sleep(0.5)  # the server reads the second head (and refuses it) while the shard waits for room
+        raw, _ = _read_all(sock, 30)
+    head, _, body = raw.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200 "), raw[:300]
+    assert len(body) == size, f"{len(body)} of {size} bytes, then {body[size:size + 200]!r}"
+    assert httpx.get(srv.url + "/healthz", timeout=10).status_code == 200
