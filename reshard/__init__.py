@@ -3,7 +3,8 @@
 The public API, in the order of the data flow::
 
     source, manifest = open_source("ckpt/")          # every header validated, the rules resolved
-    plan = make_plan(source, manifest, tp=4)          # pure: what every rank file holds, byte for byte
+    plan = make_plan(source, manifest, 4)             # pure: what every rank file holds, byte for byte
+    plan = make_plan(source, manifest, Layout(tp=2, pp=2, fsdp=2))   # any layout: pp x fsdp x tp, experts on ep
     write_shards(source, plan, "out/")                # rank files + reshard.json, atomically
     model = empty_tp_model("out/")                    # a transformers TP model, no weights read
     fill_model(model, "out/")                         # this rank's shard into its parameters
@@ -18,11 +19,12 @@ from typing import Any
 from reshard.errors import ReshardError
 from reshard.io.sources import open_source
 from reshard.io.writer import write_shards
+from reshard.layout import Layout
 from reshard.plan.planner import make_plan
 from reshard.rules import quant as _quant  # noqa: F401  registers the quantized kinds (reshard/rules/quant/)
 
 __version__ = "0.1.0"
-__all__ = ["ReshardError", "__version__", "empty_tp_model", "fill_model", "make_plan", "open_source", "write_shards"]
+__all__ = ["Layout", "ReshardError", "__version__", "empty_tp_model", "fill_model", "make_plan", "open_source", "write_shards"]
 
 
 def __getattr__(name: str) -> Any:

@@ -1,4 +1,4 @@
-"""`reshard plan` and `reshard write`."""
+"""`reshard plan`, `reshard write` and `reshard pull`, with the layout flags they share."""
 
 from __future__ import annotations
 
@@ -14,8 +14,9 @@ from reshard.io.sources import open_source
 from reshard.io.store_writer import write_shards_to_store
 from reshard.io.stores import is_url
 from reshard.io.writer import write_shards as write_to_dir
+from reshard.layout.mesh import Layout
 from reshard.plan.planner import make_plan
-from reshard.plan.types import Plan, plan_to_json
+from reshard.plan.types import Plan, plan_to_json, rank_file_name
 
 
 def parse_ranks(text: str) -> list[int]:
@@ -29,7 +30,7 @@ def parse_ranks(text: str) -> list[int]:
 def _plan(args: argparse.Namespace, *, lazy: bool = False) -> tuple[Any, Plan]:
     ckpt, manifest = open_source(args.checkpoint, rules=args.rules)
     ranks = parse_ranks(args.ranks) if getattr(args, "ranks", None) else None
-    plan = make_plan(ckpt, manifest, args.tp, ranks=ranks, strict=args.strict, lazy=lazy)
+    plan = make_plan(ckpt, manifest, layout_of(args), ranks=ranks, strict=args.strict, lazy=lazy)
     for w in plan.warnings:
         print(f"reshard: warning: {w}", file=sys.stderr)
     return ckpt, plan
@@ -43,7 +44,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return 0
     print(f"checkpoint: {ckpt.root} ({len(ckpt.tensors)} tensors, {human(ckpt.total_bytes())})")
     print(f"manifest:   {plan.manifest.source}")
-    print(f"tp={plan.tp}  plan {plan.digest[:16]}")
+    world = f" ({plan.world} ranks)" if not plan.layout.tp_only else ""
+    print(f"{plan.layout.describe()}{world}  plan {plan.digest[:16]}")
     print(f"{'rank':>5} {'tensors':>8} {'bytes out':>12} {'replicated':>12} {'bytes read':>12}")
     for rp in plan.ranks:
         s = rp.stats()
@@ -76,10 +78,25 @@ def rank_list(ranks: list[int]) -> str:
     return f"rank {text}" if len(ranks) == 1 else f"ranks {text}"
 
 
+def add_layout_flags(p: argparse.ArgumentParser) -> None:
+    """--tp, --pp, --fsdp, --ep, --dp-replicate: the layout, each 1 unless given."""
+    g = p.add_argument_group("layout", "parallel sizes, each 1 unless given; the world is pp x dp_replicate x fsdp "
+                             "x tp ranks, numbered as transformers' DistributedConfig meshes number them")
+    g.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
+    g.add_argument("--pp", type=int, default=1, help="pipeline stages")
+    g.add_argument("--fsdp", type=int, default=1, help="FSDP shards of every parameter (dim 0)")
+    g.add_argument("--ep", type=int, default=1, help="expert-parallel degree (a multiple of tp dividing fsdp x tp)")
+    g.add_argument("--dp-replicate", type=int, default=1, help="data-parallel replicas (HSDP): identical shards")
+
+
+def layout_of(args: argparse.Namespace) -> Layout:
+    return Layout(tp=args.tp, pp=args.pp, fsdp=args.fsdp, ep=args.ep, dp_replicate=args.dp_replicate)
+
+
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint", help="checkpoint directory, .safetensors file, or directory of rank shards; "
                    "or a URL: s3://BUCKET/PREFIX, gs://..., http(s)://HOST/PATH/, hf://ORG/MODEL")
-    p.add_argument("--tp", type=int, required=True, help="tensor-parallel degree")
+    add_layout_flags(p)
     p.add_argument("--rules", help="rule manifest (YAML/JSON); default: reshard-rules.yaml beside it, else config.json")
     p.add_argument("--strict", action="store_true", help="rules that match no tensor are errors")
 
@@ -101,15 +118,18 @@ def add_commands(sub: Any) -> None:
 def cmd_pull(args: argparse.Namespace) -> int:
     from reshard.io.client import ShardClient  # httpx only when pulling
 
+    layout = layout_of(args)
+    layout.check_rank(args.rank)
     with ShardClient(args.url, token=args.token, retries=args.retries, rules=args.rules) as client:
-        out = args.out or f"rank-{args.rank:05d}-of-{args.tp:05d}.safetensors"
-        result = client.pull(args.rank, args.tp, out, progress=args.progress, resume=not args.no_resume)
+        out = args.out or rank_file_name(args.rank, layout.world)
+        result = client.pull(args.rank, layout if not layout.tp_only else layout.tp, out, progress=args.progress,
+                             resume=not args.no_resume)
     if result.get("kept"):
-        print(f"rank {args.rank} of tp={args.tp} is already in place: {human(result['size'])}, "
+        print(f"rank {args.rank} of {layout.describe()} is already in place: {human(result['size'])}, "
               f"sha256 {result['sha256'][:16]}... verified, nothing downloaded -> {result['path']}", file=sys.stderr)
         return 0
     resumed = f", resumed at {human(result['resumed_from'])}" if result["resumed_from"] else ""
-    print(f"pulled rank {args.rank} of tp={args.tp}: {human(result['size'])}{resumed}, "
+    print(f"pulled rank {args.rank} of {layout.describe()}: {human(result['size'])}{resumed}, "
           f"sha256 {result['sha256'][:16]}... -> {result['path']}", file=sys.stderr)
     return 0
 
@@ -117,9 +137,9 @@ def cmd_pull(args: argparse.Namespace) -> int:
 def _add_pull(sub: Any) -> None:
     p = sub.add_parser("pull", help="download one rank shard from `reshard serve` (resumable, verified)")
     p.add_argument("url", help="checkpoint URL, http://HOST:PORT/v1/checkpoints/NAME")
-    p.add_argument("--rank", type=int, required=True)
-    p.add_argument("--tp", type=int, required=True)
-    p.add_argument("-o", "--out", help="output file (default rank-RRRRR-of-TTTTT.safetensors)")
+    p.add_argument("--rank", type=int, required=True, help="global rank, 0..world-1")
+    add_layout_flags(p)
+    p.add_argument("-o", "--out", help="output file (default rank-RRRRR-of-WWWWW.safetensors)")
     p.add_argument("--token", help="bearer token (default $RESHARD_TOKEN)")
     p.add_argument("--rules", help="label of a manifest stored on the server")
     p.add_argument("--retries", type=int, default=5, help="tries after a failure without progress (default 5)")

@@ -8,6 +8,7 @@ from typing import Any
 
 from reshard.io.merge import DEFAULT_MAX_FILE, merge
 from reshard.io.progress import add_progress_flags, human
+from reshard.layout.mesh import Layout
 
 
 def cmd_merge(args: argparse.Namespace) -> int:
@@ -15,7 +16,7 @@ def cmd_merge(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(summary))
     else:
-        print(f"merged {summary['tensors']} tensors from tp={summary['tp']} shards into {args.out} "
+        print(f"merged {summary['tensors']} tensors from {Layout(**summary['layout']).describe()} shards into {args.out} "
               f"({human(summary['bytes'])} in {len(summary['files'])} file(s))")
     return 0
 

@@ -33,6 +33,7 @@ from reshard.fill.experts import Held, expert_views, partly_covered, shard_layou
 from reshard.fill.open import open_rank_stream
 from reshard.fill.stream import RankHeader, fill_parameters, read_header_from
 from reshard.format.tensors import TORCH_DTYPES
+from reshard.layout.mesh import Layout
 from reshard.tp.comm import tp_rank, tp_world_size
 
 _LIST = 6  # names shown per list in an error
@@ -51,28 +52,30 @@ class FillReport:
     seconds: float
     casts: dict[str, tuple[str, str]] = field(default_factory=dict)
     fused: int = 0
+    layout: Layout | None = None
 
     def __str__(self) -> str:
         casts = sorted({f"{a}->{b}" for a, b in self.casts.values()})
         cast = f"; cast {len(self.casts)} tensors ({', '.join(casts)})" if casts else ""
         fused = f" ({self.fused} per-expert tensors into fused parameters)" if self.fused else ""
         return (f"filled {self.tensors} tensors{fused}, {self.bytes / 1e6:.1f} MB from {self.source} "
-                f"(rank {self.rank} of tp={self.tp}) in {self.seconds:.2f} s{cast}")
+                f"(rank {self.rank} of {(self.layout or Layout(tp=self.tp)).describe()}) in {self.seconds:.2f} s{cast}")
 
 
 def fill_model(model: nn.Module, source: str | Path, *, group: ProcessGroup | None = None,
-               token: str | None = None) -> FillReport:
+               token: str | None = None, layout: Layout | None = None) -> FillReport:
     """Fill every parameter and persistent buffer of `model` with this rank's shard of `source`: a
-    rank-shard directory, the service's checkpoint URL, or one rank file. See the module docstring."""
+    rank-shard directory, the service's checkpoint URL, or one rank file. See the module docstring.
+
+    The layout is `layout`, else the `DistributedConfig` transformers loaded the model with (n-D:
+    pipeline, FSDP, expert parallel), else tensor parallelism over `group` (default: the DTensors'
+    1-D mesh, else the world); the rank is this process's global rank (the group's, for TP)."""
     t0 = time.perf_counter()
-    group = group if group is not None else _mesh_group(model)
-    tp, rank = tp_world_size(group), tp_rank(group)
-    _config, chunks, sha, name = open_rank_stream(source, rank, tp, token=token, need_config=False)
+    layout, rank = _layout_and_rank(model, group, layout)
+    _config, chunks, sha, name = open_rank_stream(source, rank, layout, token=token, need_config=False)
     try:
         header, leftover = read_header_from(chunks, name)
-        if (header.tp, header.rank) != (tp, rank):
-            raise CheckpointError(f"{name}: is the shard of rank {header.rank} of tp={header.tp}, but this process is "
-                                  f"rank {rank} of tp={tp}; give it rank {rank}'s shard of tp={tp}; nothing was filled")
+        header.check(rank, layout, fix=f"give it rank {rank}'s shard of {layout.describe()}; nothing was filled")
         targets, fused = match_targets(model, header)
         casts = {n: (_dtype_name(TORCH_DTYPES[header.entries[n]["dtype"]]), _dtype_name(t.dtype))
                  for n, t in targets.items() if TORCH_DTYPES[header.entries[n]["dtype"]] != t.dtype}
@@ -81,7 +84,28 @@ def fill_model(model: nn.Module, source: str | Path, *, group: ProcessGroup | No
         close = getattr(chunks, "close", None)
         if close is not None:
             close()
-    return FillReport(name, rank, tp, len(targets), header.total, time.perf_counter() - t0, casts, fused)
+    return FillReport(name, rank, layout.tp, len(targets), header.total, time.perf_counter() - t0, casts, fused,
+                      layout)
+
+
+def _layout_and_rank(model: nn.Module, group: ProcessGroup | None, layout: Layout | None) -> tuple[Layout, int]:
+    import torch.distributed as dist
+
+    config = getattr(getattr(model, "config", None), "distributed_config", None)
+    if layout is None and config is not None and group is None:
+        layout = Layout(tp=config.tp_size, pp=config.pp_size, fsdp=config.fsdp_size, ep=config.ep_size,
+                        dp_replicate=config.dp_replicate_size)
+    if layout is not None and not layout.tp_only:
+        rank = dist.get_rank(group) if dist.is_initialized() else 0
+        if dist.is_initialized() and dist.get_world_size(group) != layout.world:
+            raise CheckpointError(f"{layout.describe()} is a world of {layout.world} ranks, but this process group has "
+                                  f"{dist.get_world_size(group)}; launch {layout.world} processes")
+        return layout, rank
+    group = group if group is not None else _mesh_group(model)
+    tp = tp_world_size(group)
+    if layout is not None and layout.tp != tp:
+        raise CheckpointError(f"layout tp={layout.tp}, but the tensor-parallel group has {tp} ranks")
+    return Layout(tp=tp), tp_rank(group)
 
 
 def match_targets(model: nn.Module, header: RankHeader) -> tuple[dict[str, torch.Tensor], int]:

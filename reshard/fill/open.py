@@ -18,31 +18,36 @@ from reshard.io.client import ShardClient
 from reshard.io.shards import RANK_FILE
 from reshard.io.stores import is_url
 from reshard.io.writer import MANIFEST_NAME
+from reshard.layout.mesh import Layout
 from reshard.plan.types import rank_file_name
 
 
 def open_rank_stream(
-    source: str | Path, rank: int, tp: int, *, token: str | None = None, need_config: bool = True,
+    source: str | Path, rank: int, layout: Layout | int, *, token: str | None = None, need_config: bool = True,
 ) -> tuple[dict[str, Any] | None, Iterator[Any], str | None, str]:
     """(config, byte chunks of this rank's file, expected sha256 or None, a name for errors).
 
     `source` is a shard directory, the service's checkpoint URL, or one rank file (whose own header
-    says its rank and tp). The config is None only when absent and `need_config` is false."""
+    says its rank and layout); `layout` a `Layout` or tp alone. The config is None only when absent and
+    `need_config` is false."""
+    layout = layout if isinstance(layout, Layout) else Layout(tp=layout)
     if is_url(source):
         client = ShardClient(str(source), token=token)
         config = client.info().get("config")
         if not isinstance(config, dict):
             config = _no_config(f"{source}: the checkpoint has no config.json", need_config)
-        return config, iter(client.iter_shard(rank, tp)), None, f"{source} rank {rank}/{tp}"
+        ask = layout.tp if layout.tp_only else layout
+        return config, iter(client.iter_shard(rank, ask)), None, f"{source} rank {rank}/{layout.world}"
     path = Path(source)
     root = path.parent if path.is_file() else path
     if not path.is_file():
-        path = root / rank_file_name(rank, tp)
+        path = root / rank_file_name(rank, layout.world)
     if not path.is_file():
         have = sorted({int(m.group(2)) for p in root.glob("rank-*") if (m := RANK_FILE.fullmatch(p.name))})
+        flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in layout.sizes().items() if v != 1 or k == "tp")
         raise CheckpointError(
-            f"{root}: no {path.name} for tp={tp} (shards here are for tp={have or 'none'}); "
-            f"run `reshard write {root} --tp {tp} -o DIR`"
+            f"{root}: no {path.name} for {layout.describe()} (rank files here are of worlds of "
+            f"{have or 'no'} ranks); run `reshard write {root} {flags} -o DIR`"
         )
     config = json.loads((root / CONFIG_NAME).read_text()) if (root / CONFIG_NAME).is_file() \
         else _no_config(f"{root}: no config.json beside the rank files", need_config)

@@ -16,9 +16,11 @@ from typing import Any
 
 import torch
 
-from reshard.errors import HeaderError, IntegrityError, PlanError, ReshardError
+from reshard.errors import CheckpointError, HeaderError, IntegrityError, PlanError, ReshardError
 from reshard.format.checkpoint import MAX_HEADER_BYTES, parse_header
 from reshard.format.tensors import TORCH_DTYPES
+from reshard.layout.mesh import Layout
+from reshard.layout.placement import describe_layout
 from reshard.rules.quant.dequant import Dequantizer
 
 
@@ -32,8 +34,15 @@ class RankHeader:
         try:
             self.tp, self.rank = int(self.metadata["tp"]), int(self.metadata["rank"])
             self.tensors: dict[str, dict[str, Any]] = json.loads(self.metadata["tensors"])
-        except (KeyError, ValueError):
+            self.layout = describe_layout(self.metadata, source)
+        except (KeyError, ValueError, PlanError):
             raise HeaderError(f"{source}: not a reshard rank file (no tp/rank/tensors metadata)") from None
+
+    def check(self, rank: int, layout: Layout, *, fix: str) -> None:
+        """`CheckpointError` unless this is the shard of `rank` of `layout`."""
+        if (self.rank, self.layout) != (rank, layout):
+            raise CheckpointError(f"{self.source}: is the shard of rank {self.rank} of {self.layout.describe()}, but this "
+                                  f"process is rank {rank} of {layout.describe()}; {fix}")
 
 
     def dtypes(self) -> dict[str, torch.dtype]:

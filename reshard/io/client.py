@@ -33,6 +33,7 @@ from reshard.errors import IntegrityError, NotFoundError, OutputPathError, Resha
 from reshard.io.hashing import BackgroundHash, file_sha256
 from reshard.io.outfs import check_space, fsync_dir, made_dir, output_errors
 from reshard.io.progress import Progress
+from reshard.layout.mesh import Layout
 from reshard.plan.types import rank_file_name
 
 TOKEN_ENV = "RESHARD_TOKEN"
@@ -87,19 +88,19 @@ class ShardClient:
         """The checkpoint: files, tensors (dtype, shape, bytes), config.json, manifest source."""
         return self._json("GET", self.url)
 
-    def plan(self, tp: int, *, tensors: bool = True) -> dict[str, Any]:
+    def plan(self, tp: int | Layout, *, tensors: bool = True) -> dict[str, Any]:
         """The plan of every rank of `tp` (what each rank file contains), with each shard's ETag."""
-        return self._json("GET", f"{self.url}/plan", params={"tp": tp, "tensors": str(tensors).lower()})
+        return self._json("GET", f"{self.url}/plan", params={**layout_params(tp), "tensors": str(tensors).lower()})
 
-    def digest(self, rank: int, tp: int) -> dict[str, Any]:
+    def digest(self, rank: int, tp: int | Layout) -> dict[str, Any]:
         """`{"sha256", "size", "etag", ...}` of a shard (the server streams it once, then caches)."""
-        return self._json("GET", self.shard_url(rank) + "/digest", params={"tp": tp},
+        return self._json("GET", self.shard_url(rank) + "/digest", params=layout_params(tp),
                           timeout=httpx.Timeout(max(self.timeout, 600.0), connect=min(self.timeout, 10.0)))
 
-    def head(self, rank: int, tp: int) -> ShardHead:
+    def head(self, rank: int, tp: int | Layout) -> ShardHead:
         """Size, ETag and (if known) sha256 of a shard. Asks for its first byte rather than HEAD, so
         that errors come with the server's JSON explanation."""
-        r = self._call(lambda: self._http.get(self.shard_url(rank), params={**self.params, "tp": tp},
+        r = self._call(lambda: self._http.get(self.shard_url(rank), params={**self.params, **layout_params(tp)},
                                               headers={"Range": "bytes=0-0", "Accept-Encoding": "identity"}))
         _, size = _body_span(r, 0)
         return ShardHead(size, r.headers["etag"], r.headers.get(SHA_HEADER))
@@ -109,13 +110,13 @@ class ShardClient:
 
     # --- shard bytes -------------------------------------------------------------------------
 
-    def iter_shard(self, rank: int, tp: int, *, start: int = 0) -> Iterator[bytes]:
+    def iter_shard(self, rank: int, tp: int | Layout, *, start: int = 0) -> Iterator[bytes]:
         """The shard's bytes from `start`, resuming after broken connections; verified at the end
         (the sha256 only when `start` is 0, since the bytes before it are not seen)."""
         for _pos, _size, piece in self._pieces(rank, tp, start=start):
             yield piece
 
-    def read_shard(self, rank: int, tp: int) -> bytearray:
+    def read_shard(self, rank: int, tp: int | Layout) -> bytearray:
         """The whole shard in memory (a safetensors file: `safetensors.torch.load(bytes(...))`)."""
         out: bytearray | None = None
         for pos, size, piece in self._pieces(rank, tp):
@@ -125,7 +126,7 @@ class ShardClient:
         assert out is not None
         return out
 
-    def pull(self, rank: int, tp: int, dest: str | os.PathLike[str], *, progress: bool | None = None,
+    def pull(self, rank: int, tp: int | Layout, dest: str | os.PathLike[str], *, progress: bool | None = None,
              resume: bool = True) -> dict[str, Any]:
         """Download to `dest` atomically (temp file + fsync + rename). A partial temp file left by an
         earlier try of the same shard (same ETag) is resumed; a `dest` that is already this shard (its
@@ -140,7 +141,7 @@ class ShardClient:
         head = self.head(rank, tp)
         with made_dir(dest.parent, for_file=dest):
             if dest.is_dir():
-                raise OutputPathError(f"{dest}: is a directory; give the file to write, e.g. {dest / rank_file_name(rank, tp)}")
+                raise OutputPathError(f"{dest}: is a directory; give the file to write, e.g. {dest / rank_file_name(rank, as_world(tp))}")
             digest = self._in_place(rank, tp, dest, head)
             if digest is not None:
                 for p in (part, meta):  # a leftover of an earlier try: the shard is here already
@@ -152,7 +153,7 @@ class ShardClient:
         return {"path": str(dest), "rank": rank, "tp": tp, "size": head.size, "sha256": digest,
                 "etag": head.etag, "resumed_from": start, "kept": False}
 
-    def _in_place(self, rank: int, tp: int, dest: Path, head: ShardHead) -> str | None:
+    def _in_place(self, rank: int, tp: int | Layout, dest: Path, head: ShardHead) -> str | None:
         """The sha256 of `dest` if it already is the shard `head` describes (size, then the server's
         sha256), else None."""
         try:
@@ -167,15 +168,15 @@ class ShardClient:
             want = d["sha256"] if d["etag"] == head.etag else None  # changed meanwhile: download the new one
         return digest if digest == want else None
 
-    def _download(self, rank: int, tp: int, dest: Path, part: Path, meta: Path, head: ShardHead, *,
+    def _download(self, rank: int, tp: int | Layout, dest: Path, part: Path, meta: Path, head: ShardHead, *,
                   progress: bool | None, resume: bool) -> tuple[int, str]:
         """Into `part` (resumed where `meta` names this shard's ETag), verified, renamed to `dest`;
         (the offset it resumed from, sha256)."""
         retry = f"run the same pull again (it resumes from {part.name})"
-        version = {"url": self.shard_url(rank), "tp": tp, "etag": head.etag}
+        version = {"url": self.shard_url(rank), **layout_params(tp), "etag": head.etag}
         sha, start = hashlib.sha256(), 0
         resuming = resume and part.is_file() and _read_meta(meta) == version
-        bar = Progress(head.size, f"rank {rank}/{tp}", enabled=progress)
+        bar = Progress(head.size, f"rank {rank}/{as_world(tp)}", enabled=progress)
         try:
             with output_errors(dest, retry=retry):  # out of space etc.: the partial file stays, to resume
                 if resuming:
@@ -213,7 +214,7 @@ class ShardClient:
         fsync_dir(dest.parent)
         return start, sha.hexdigest()
 
-    def _pieces(self, rank: int, tp: int, *, start: int = 0, etag: str | None = None,
+    def _pieces(self, rank: int, tp: int | Layout, *, start: int = 0, etag: str | None = None,
                 sha: Any = None) -> Iterator[tuple[int, int, bytes]]:
         """(offset, shard size, bytes) from `start`; `sha` is fed every byte when given (else a fresh
         one when start is 0 and verification is on); `etag` pins the shard version."""
@@ -222,10 +223,10 @@ class ShardClient:
         with BackgroundHash(sha) as hasher:
             yield from self._fetch(rank, tp, start=start, etag=etag, hasher=hasher)
 
-    def _fetch(self, rank: int, tp: int, *, start: int, etag: str | None,
+    def _fetch(self, rank: int, tp: int | Layout, *, start: int, etag: str | None,
                hasher: BackgroundHash) -> Iterator[tuple[int, int, bytes]]:
         pos, size, failures, server_sha = start, None, 0, None
-        url, params = self.shard_url(rank), {**self.params, "tp": tp}
+        url, params = self.shard_url(rank), {**self.params, **layout_params(tp)}
         while size is None or pos < size:
             headers = {"Accept-Encoding": "identity"}  # raw bytes are read: no content coding
             if pos:
@@ -349,3 +350,15 @@ def _read_meta(path: Path) -> Any:
         return json.loads(path.read_text())
     except (OSError, ValueError):
         return None
+
+
+def layout_params(layout: int | Layout) -> dict[str, int]:
+    """The query parameters naming a layout (`tp`, and the other sizes that are not 1); an integer is tp."""
+    if isinstance(layout, int):
+        return {"tp": layout}
+    return {k: v for k, v in layout.sizes().items() if v != 1 or k == "tp"}
+
+
+def as_world(layout: int | Layout) -> int:
+    return layout if isinstance(layout, int) else layout.world
+

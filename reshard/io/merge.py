@@ -63,4 +63,5 @@ def merge(src: str | Path, out: str | Path, *, max_file_bytes: int = DEFAULT_MAX
             write_json_atomic(out / INDEX_NAME, {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))})
         if shards.config is not None:  # read (and validated) from config.json when the shards were opened
             copy_beside(shards.root, CONFIG_NAME, out / CONFIG_NAME)
-    return {"files": [f for f, _ in plans], "tensors": len(shards.tensors), "bytes": total, "tp": shards.tp}
+    return {"files": [f for f, _ in plans], "tensors": len(shards.tensors), "bytes": total, "tp": shards.tp,
+            "layout": shards.layout.sizes()}

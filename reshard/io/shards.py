@@ -1,8 +1,9 @@
 """A directory of rank shards as a source: each global tensor is the pieces its rank files hold.
 
-Rank files describe themselves (`__metadata__`: format, tp, rank, and per tensor the kind, options,
-global shape and selection), so a shard directory can be merged back or resharded to another tp with
-nothing else at hand, one tensor at a time.
+Rank files describe themselves (`__metadata__`: format, tp, rank, the layout beyond tp, and per tensor
+the kind, options, global shape and selection), so a shard directory of any layout can be merged back
+or laid out again with nothing else at hand, one tensor at a time. A tensor is the union of the pieces
+the ranks hold (pipeline stages hold some tensors only, FSDP and TP pieces tile them, replicas repeat).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from reshard.errors import CheckpointError
+from reshard.errors import CheckpointError, PlanError
 from reshard.format.checkpoint import (
     Directory,
     FileInfo,
@@ -24,7 +25,8 @@ from reshard.format.checkpoint import (
     files_identity,
 )
 from reshard.format.selection import selection_shape
-from reshard.plan.types import FORMAT
+from reshard.layout.mesh import Layout
+from reshard.layout.placement import FORMAT, describe_layout
 from reshard.rules.manifest import Manifest, Rule
 
 RANK_FILE = re.compile(r"rank-(\d{5})-of-(\d{5})\.safetensors")
@@ -40,14 +42,19 @@ def has_rank_files(names: list[str] | None) -> bool:
 
 
 class ShardSet:
-    """The rank files of one tp in a directory, seen as one checkpoint of global tensors."""
+    """The rank files of one layout in a directory, seen as one checkpoint of global tensors."""
 
-    def __init__(self, root: Path, tp: int, files: list[FileInfo], tensors: dict[str, GlobalTensor],
+    def __init__(self, root: Path, layout: Layout, files: list[FileInfo], tensors: dict[str, GlobalTensor],
                  config: dict[str, Any] | None) -> None:
-        self.root, self.tp, self.files, self.tensors, self.config = root, tp, files, tensors, config
+        self.root, self.layout, self.files, self.tensors, self.config = root, layout, files, tensors, config
+
+    @property
+    def tp(self) -> int:
+        return self.layout.tp
 
     @classmethod
     def open(cls, path: str | os.PathLike[str] | Directory, *, tp: int | None = None) -> ShardSet:
+        """`tp`: the world size (the number of rank files) to take when a directory holds several."""
         """The rank files in a local directory, or in a `Directory` (a store prefix that can be listed)."""
         files_in = path if hasattr(path, "header") else LocalDirectory(Path(path))
         root = files_in.root
@@ -60,18 +67,24 @@ class ShardSet:
             raise CheckpointError(f"{root}: no rank-XXXXX-of-YYYYY.safetensors files")
         if tp is None:
             if len(found) > 1:
-                raise CheckpointError(f"{root}: rank files of several tp ({sorted(found)}); remove the stale ones")
+                raise CheckpointError(f"{root}: rank files of several layouts (of {sorted(found)} ranks); remove the "
+                                      "stale ones")
             tp = next(iter(found))
         ranks = found.get(tp, {})
         missing = sorted(set(range(tp)) - set(ranks))
         if missing:
-            raise CheckpointError(f"{root}: tp={tp} but rank files {missing} are missing")
+            raise CheckpointError(f"{root}: {tp} rank files but ranks {missing} are missing")
         files: list[FileInfo] = []
         parts: dict[str, list[tuple[int, Piece, dict[str, Any]]]] = {}
+        layouts: list[Layout] = []
         for rank in range(tp):
             info, local = files_in.header(ranks[rank])
             files.append(info)
-            desc = _describe(info, rank, tp)
+            lay, desc = _describe(info, rank, tp)
+            if layouts and lay != layouts[0]:
+                raise CheckpointError(f"{info.path}: metadata says layout {lay.describe()}, rank 0 says "
+                                      f"{layouts[0].describe()}; the rank files are of different writes")
+            layouts.append(lay)
             if set(desc) != set(local):
                 raise CheckpointError(f"{info.path}: metadata describes {len(desc)} tensors but the file holds {len(local)}")
             for name, t in local.items():
@@ -89,7 +102,7 @@ class ShardSet:
                     raise CheckpointError(f"{root}: tensor {name!r} is described differently by rank {rank} and rank {pieces[0][0]}")
             tensors[name] = GlobalTensor(name, pieces[0][1].info.dtype, tuple(first["shape"]),
                                          tuple(p for _, p, _ in pieces), first["kind"], first.get("options") or {})
-        return cls(root, tp, files, tensors, _read_config(files_in))
+        return cls(root, layouts[0], files, tensors, _read_config(files_in))
 
     def global_tensors(self) -> dict[str, GlobalTensor]:
         return self.tensors
@@ -104,18 +117,23 @@ class ShardSet:
         """One exact-name rule per tensor, with the kind and options the shards recorded."""
         rules = tuple(Rule(re.escape(t.name), t.kind or "replicate", dict(t.options or {}), regex=True)
                       for t in self.tensors.values())
-        return Manifest(rules, False, f"recorded in the tp={self.tp} rank shards of {self.root}")
+        return Manifest(rules, False, f"recorded in the {self.layout.describe()} rank shards of {self.root}")
 
 
-def _describe(info: FileInfo, rank: int, tp: int) -> dict[str, Any]:
+def _describe(info: FileInfo, rank: int, world: int) -> tuple[Layout, dict[str, Any]]:
     meta = info.metadata
     if meta.get("format") != FORMAT:
         raise CheckpointError(f"{info.path}: not a reshard rank file (metadata format {meta.get('format')!r}, expected {FORMAT!r})")
-    if meta.get("tp") != str(tp) or meta.get("rank") != str(rank):
-        raise CheckpointError(f"{info.path}: metadata says rank {meta.get('rank')} of tp {meta.get('tp')}, the name says {rank} of {tp}")
+    try:
+        layout = describe_layout(meta, str(info.path))
+    except PlanError as e:
+        raise CheckpointError(str(e)) from None
+    if meta.get("rank") != str(rank) or layout.world != world:
+        raise CheckpointError(f"{info.path}: metadata says rank {meta.get('rank')} of {layout.describe()} "
+                              f"({layout.world} ranks), the name says rank {rank} of {world}")
     try:
         desc = json.loads(meta["tensors"])
         assert isinstance(desc, dict) and all({"kind", "shape", "select"} <= set(v) for v in desc.values())
     except (KeyError, ValueError, AssertionError, TypeError):
         raise CheckpointError(f"{info.path}: metadata `tensors` is missing or malformed") from None
-    return desc
+    return layout, desc

@@ -54,7 +54,7 @@ def write_shards_to_store(ckpt: Source, plan: Plan, out_url: str, *, progress: b
             on_bytes(n)
 
     for rp in plan.ranks:
-        name = rank_file_name(rp.rank, rp.tp)
+        name = rank_file_name(rp.rank, rp.world)
         sha = hashlib.sha256()
         store.put(key(name), _rank_body(rp, sha, done), chunk_size=PART, concurrency=UPLOADS_IN_FLIGHT)
         record["files"][name] = {"rank": rp.rank, "size": rp.size, "sha256": sha.hexdigest()}

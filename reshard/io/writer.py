@@ -206,7 +206,7 @@ def _write_into(out: Path, ckpt: Source, plan: Plan, *, progress: bool | None,
         remove_stale_temps(out)
         record = _load_record(out / MANIFEST_NAME, plan.digest)
         published = _Published(out, plan.digest, record["files"])
-        kept = [rp for rp in plan.ranks if published.matches(rank_file_name(rp.rank, rp.tp), rp.size)]
+        kept = [rp for rp in plan.ranks if published.matches(rank_file_name(rp.rank, rp.world), rp.size)]
         todo = [rp for rp in plan.ranks if rp not in kept]
         check_space(out, sum(rp.size for rp in todo) + (64 << 10), fix=f"free some space there or write elsewhere, then {RETRY}")
         if not record["files"] and (out / MANIFEST_NAME).exists():
@@ -225,7 +225,7 @@ def _write_into(out: Path, ckpt: Source, plan: Plan, *, progress: bool | None,
     with ThreadPoolExecutor(2) as pool:
         try:
             for rp in todo:
-                name = rank_file_name(rp.rank, rp.tp)
+                name = rank_file_name(rp.rank, rp.world)
                 tmp, fd, hasher = _start(rp, out / name, done)
                 pending.append(pool.submit(_finish, tmp, fd, hasher, out / name, published.adder(name, rp)))
         finally:
@@ -248,6 +248,7 @@ def complete_record(record: dict[str, Any], ckpt: Source, plan: Plan) -> dict[st
     record.update(
         format="reshard/1",
         tp=plan.tp,
+        **({} if plan.layout.tp_only else {"layout": plan.layout.sizes(), "world": plan.world}),
         plan=plan.digest,
         source={"path": str(ckpt.root), **ckpt.identity()},
         manifest={"source": plan.manifest.source, **plan.manifest.to_dict()},

@@ -19,7 +19,7 @@ import json
 import math
 from array import array
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from itertools import accumulate
 from json.encoder import encode_basestring_ascii as _json_str  # type: ignore[attr-defined]
 from operator import attrgetter
@@ -29,26 +29,30 @@ from reshard.errors import PlanError
 from reshard.format.checkpoint import DTYPE_SIZES, GlobalTensor, Source
 from reshard.format.selection import full_selection, selection_shape
 from reshard.gcpause import paused_gc
+from reshard.layout.mesh import MAX_WORLD, Layout
+from reshard.layout.placement import FORMAT, Placement
+from reshard.layout.roles import source_roles
 from reshard.plan.reads import bytes_read
-from reshard.plan.segments import segments_for, tensor_selection
+from reshard.plan.segments import segments_for
 from reshard.plan.tensors import PlannedTensors, _Layout, _Lazy
-from reshard.plan.types import FORMAT, OutTensor, Plan, RankPlan, check_tp, source_files
+from reshard.plan.types import OutTensor, Plan, RankPlan, source_files
 from reshard.rules.manifest import Manifest, Rule
 
-__all__ = ["LazyRanks", "RankPlanner", "make_plan", "make_planner", "plan_rank", "resolve_rules"]
+__all__ = ["LayoutPlanner", "LazyRanks", "RankPlanner", "make_plan", "make_planner", "resolve_rules"]
 
 _COMPACT = (",", ":")
 
 
 class RankPlanner:
-    """Plans every rank of `tp` for one set of tensors and rules: tensors are sorted into layout
-    groups once; each rank then computes one layout per group and, per tensor, its offsets and header
-    entry with list comprehensions."""
+    """Plans the ranks that hold one set of tensors (`placement` says which part each gets): tensors are
+    sorted into layout groups once; each rank then computes one layout per group and, per tensor, its
+    offsets and header entry with list comprehensions."""
 
-    def __init__(self, tensors: dict[str, GlobalTensor], files: dict[str, tuple[int, int]],
-                 rules: dict[str, Rule], tp: int) -> None:
-        check_tp(tp)
-        self.tensors, self.files, self.rules, self.tp = tensors, files, rules, tp
+    def __init__(self, tensors: Mapping[str, GlobalTensor], files: dict[str, tuple[int, int | str]],
+                 rules: Mapping[str, Rule], placement: Placement) -> None:
+        if not placement.layout.tp_only:  # tensors of one rule placed differently (experts) group apart
+            rules = {n: placement.rule_for(rules[n], n) for n in tensors}
+        self.tensors, self.files, self.rules, self.placement = tensors, files, rules, placement
         infos = getattr(tensors, "infos", None)  # format.WholeTensors: every tensor is one whole piece
         if infos is not None:
             # grouped by (rule, name suffix, shape, dtype), read from the TensorInfos (no GlobalTensor made)
@@ -108,7 +112,7 @@ class RankPlanner:
         """Each group's layout on `rank` (all a bad rule or shape can fail on), made once per rank."""
         hit = self._layouts.get(rank)
         if hit is None:
-            check_tp(self.tp, rank)
+            self.placement.layout.check_rank(rank)
             # in source order, so the first bad tensor is the one an error names
             hit = self._layouts[rank] = [self._layout(name, self.tensors[name], rank) for name in self.firsts]
         return hit
@@ -129,7 +133,7 @@ class RankPlanner:
         # JSON string escaping is done character by character, so the escaped "tensors" value is the
         # escaped fragments joined: names once (in __init__), descriptions once per group
         describe = [_json_str(g.describe)[1:-1] for g in layouts]
-        meta = {"format": FORMAT, "tp": str(self.tp), "rank": str(rank), "tensors": ""}
+        meta = {**self.placement.metadata(rank), "tensors": ""}
         head = json.dumps({"__metadata__": meta}, separators=_COMPACT)[:-3]  # up to the opening quote of ""
         parts = _rows(self._sorted_quoted, list(map(describe.__getitem__, self._sorted_gids)))
         parts[:0] = [head, "{"]
@@ -141,11 +145,12 @@ class RankPlanner:
         parts.insert(0, (size + -size % 8).to_bytes(8, "little").decode("latin-1"))
         header = "".join(parts).encode("latin-1")
         del parts
-        return RankPlan(rank, self.tp, PlannedTensors(self, layouts, ends), header, self.files)  # type: ignore[arg-type]
+        return RankPlan(rank, self.placement.layout.world, PlannedTensors(self, layouts, ends), header,  # type: ignore[arg-type]
+                        self.files)
 
     def _layout(self, name: str, gt: GlobalTensor, rank: int) -> _Layout:
         rule = self.rules[name]
-        sel = tensor_selection(name, gt.shape, rule, rank, self.tp)
+        sel = self.placement.select(name, gt.shape, rule, rank)
         shape = selection_shape(sel)
         probe = OutTensor(name, gt.dtype, shape, gt.shape, rule.kind, dict(rule.options), sel, ())
         nbytes = math.prod(shape) * DTYPE_SIZES[gt.dtype]
@@ -190,7 +195,7 @@ class LazyRanks(_Lazy[RankPlan]):
     """`Plan.ranks` for a caller that visits each rank once (`reshard plan`'s summary): a rank is
     planned when it is read and not kept, so only one rank's header is in memory at a time."""
 
-    def __init__(self, planner: RankPlanner, ranks: Sequence[int]) -> None:
+    def __init__(self, planner: LayoutPlanner, ranks: Sequence[int]) -> None:
         self._planner, self._ranks = planner, list(ranks)
         for r in self._ranks:  # every error now, before a caller prints anything
             planner.layouts(r)
@@ -225,38 +230,84 @@ def resolve_rules(ckpt_tensors: Sequence[str], manifest: Manifest, *, strict: bo
     return chosen, unused
 
 
-def plan_rank(
-    tensors: dict[str, GlobalTensor], files: dict[str, tuple[int, int | str]], rules: dict[str, Rule], tp: int, rank: int
-) -> RankPlan:
-    """One rank's plan; `tensors` from the source, `files` from `source_files`, `rules` from `resolve_rules`."""
-    from reshard.plan.planner import RankPlanner  # it builds on this module's types
+class LayoutPlanner:
+    """Plans every rank of a layout: one `RankPlanner` per set of tensors some ranks share (a pipeline
+    stage, the experts they hold), made when a rank of it is first asked for."""
 
-    return RankPlanner(tensors, files, rules, tp).plan(rank)
+    def __init__(self, tensors: Mapping[str, GlobalTensor], files: dict[str, tuple[int, int | str]],
+                 rules: Mapping[str, Rule], placement: Placement) -> None:
+        self.tensors, self.files, self.rules, self.placement = tensors, files, rules, placement
+        self.layout = placement.layout
+        self._planners: dict[tuple[int, ...], RankPlanner] = {}
+
+    def planner(self, rank: int) -> RankPlanner:
+        self.layout.check_rank(rank)
+        if self.layout.tp_only:
+            key, c = (), None
+        else:
+            c = self.layout.coords(rank)
+            key = self.placement.subset(c)
+        hit = self._planners.get(key)
+        if hit is None:
+            held = self.tensors if c is None else self.placement.held(self.tensors, c)
+            hit = self._planners[key] = RankPlanner(held, self.files, self.rules, self.placement)
+        return hit
+
+    def layouts(self, rank: int) -> list[_Layout]:
+        return self.planner(rank).layouts(rank)
+
+    def plan(self, rank: int) -> RankPlan:
+        return self.planner(rank).plan(rank)
+
+    def forget(self, rank: int) -> None:
+        """Drop the layouts kept for a second `plan(rank)` (a RankPlan holds its own)."""
+        self.planner(rank)._layouts.pop(rank, None)
 
 
-def make_planner(ckpt: Source, manifest: Manifest, tp: int, *, strict: bool = False) -> tuple[RankPlanner, Plan]:
-    """The planner of every rank of `tp` (its tensor groups made once) and the plan it belongs to,
-    with no rank planned yet (`Plan.ranks` empty): for a caller that plans ranks as they are asked for."""
-    check_tp(tp)
+def as_layout(layout: Layout | int) -> Layout:
+    """A `Layout`; an integer is plain tensor parallelism of that size."""
+    if isinstance(layout, Layout):
+        return layout
+    if type(layout) is not int:
+        raise PlanError(f"tp={layout!r} must be an integer from 1 to {MAX_WORLD}")
+    return Layout(tp=layout)
+
+
+def make_planner(ckpt: Source, manifest: Manifest, layout: Layout | int, *,
+                 strict: bool = False) -> tuple[LayoutPlanner, Plan]:
+    """The planner of every rank of `layout` (its tensor groups made as ranks are asked for) and the plan
+    it belongs to, with no rank planned yet (`Plan.ranks` empty): for a caller that plans ranks as they
+    are asked for."""
+    layout = as_layout(layout)
     with paused_gc():
         tensors, files = ckpt.global_tensors(), source_files(ckpt)
         rules, warnings = resolve_rules(list(tensors), manifest, strict=strict)
-        planner = RankPlanner(tensors, files, rules, tp)
-    identity = {"source": ckpt.identity(), "manifest": manifest.digest(), "tp": tp, "format": FORMAT}
-    return planner, Plan(tp, (), manifest, identity, tuple(warnings))
+        roles = None
+        if not layout.tp_only:
+            infos = getattr(tensors, "infos", None)
+            shapes = {n: i.shape for n, i in infos.items()} if infos is not None else {n: t.shape for n, t in tensors.items()}
+            roles = source_roles(getattr(ckpt, "config", None), shapes)
+        placement = Placement(layout, roles)
+        placement.check()
+        planner = LayoutPlanner(tensors, files, rules, placement)
+    identity: dict[str, Any] = {"source": ckpt.identity(), "manifest": manifest.digest(), "tp": layout.tp, "format": FORMAT}
+    if roles is not None:
+        identity.update(layout=layout.sizes(), roles=roles.digest())
+    return planner, Plan(layout, (), manifest, identity, tuple(warnings))
 
 
 def make_plan(
-    ckpt: Source, manifest: Manifest, tp: int, *, ranks: Sequence[int] | None = None, strict: bool = False,
-    lazy: bool = False,
+    ckpt: Source, manifest: Manifest, layout: Layout | int, *, ranks: Sequence[int] | None = None,
+    strict: bool = False, lazy: bool = False,
 ) -> Plan:
-    """Plan `ranks` (default all) of `tp`; pure: reads no tensor data. With `lazy`, each rank is planned
-    when `plan.ranks[i]` is read, and not kept (for one pass over the ranks with little memory)."""
-    check_tp(tp)
+    """Plan `ranks` (default all) of `layout` (a `Layout`, or an integer: tp alone); pure: reads no tensor
+    data. With `lazy`, each rank is planned when `plan.ranks[i]` is read, and not kept (for one pass over
+    the ranks with little memory)."""
+    layout = as_layout(layout)
     for r in ranks or ():
-        check_tp(tp, r)
-    planner, plan = make_planner(ckpt, manifest, tp, strict=strict)
-    wanted = ranks if ranks is not None else range(tp)
+        layout.check_rank(r)
+    planner, plan = make_planner(ckpt, manifest, layout, strict=strict)
+    wanted = ranks if ranks is not None else range(layout.world)
     with paused_gc():
         rank_plans: Sequence[RankPlan] = LazyRanks(planner, wanted) if lazy else tuple(planner.plan(r) for r in wanted)
     return dataclasses.replace(plan, ranks=rank_plans)

@@ -16,8 +16,6 @@ from reshard.format.checkpoint import DTYPE_SIZES, GlobalTensor, Piece, encode_h
 from reshard.format.selection import Interval, Selection, selection_shape
 from reshard.plan.reads import Extent, Interleave, Segment
 from reshard.plan.types import OutTensor, RankPlan, data_order
-from reshard.rules.kinds import loader_for
-from reshard.rules.manifest import Rule
 
 
 def _refine(intervals: tuple[Interval, ...], cuts: list[int], size: int) -> tuple[Interval, ...]:
@@ -126,24 +124,9 @@ def segments_for(gt: GlobalTensor, sel: Selection) -> tuple[Extent, ...]:
     return tuple(out)
 
 
-def _check_selection(name: str, shape: tuple[int, ...], sel: Selection) -> None:
-    if len(sel) != len(shape) or any(a < 0 or b < a for dim in sel for a, b in dim):
-        raise PlanError(f"{name}: loader returned an invalid selection {sel} for shape {list(shape)}")
-
-
-def tensor_selection(name: str, shape: tuple[int, ...], rule: Rule, rank: int, tp: int) -> Selection:
-    """The selection `rule` gives rank `rank` of `tp` for tensor `name`; errors name the tensor."""
-    suffix = "." + name.rsplit(".", 1)[-1] if "." in name else ""
-    try:
-        sel = loader_for(rule, suffix).select(shape, rank, tp)
-    except PlanError as e:
-        raise PlanError(f"{name}: {e} (rule {rule.pattern!r}, kind {rule.kind})") from None
-    _check_selection(name, shape, sel)
-    return sel
-
-
 def layout(
-    items: list[OutTensor], meta: dict[str, str], files: dict[str, tuple[int, int | str]], *, rank: int = 0, tp: int = 1
+    items: list[OutTensor], meta: dict[str, str], files: dict[str, tuple[int, int | str]], *, rank: int = 0,
+    world: int = 1,
 ) -> RankPlan:
     """Order tensors (largest item size first, then name, as safetensors does) and build the header."""
     items.sort(key=lambda t: data_order(t.name, t.dtype))
@@ -154,4 +137,4 @@ def layout(
         placed.append(dataclasses.replace(t, begin=pos, end=pos + n))
         pos += n
     header = encode_header(meta, [(t.name, t.dtype, t.shape, t.begin, t.end) for t in placed])
-    return RankPlan(rank, tp, tuple(placed), header, files)
+    return RankPlan(rank, world, tuple(placed), header, files)

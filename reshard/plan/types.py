@@ -12,14 +12,14 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-from reshard.errors import PlanError
 from reshard.format.checkpoint import DTYPE_SIZES, Source
 from reshard.format.selection import Selection, full_selection
+from reshard.layout.mesh import MAX_WORLD, Layout
+from reshard.layout.placement import FORMAT
 from reshard.plan.reads import Extent, bytes_read
 from reshard.rules.manifest import Manifest
 
-MAX_TP = 4096
-FORMAT = "reshard.rank/1"
+MAX_TP = MAX_WORLD
 
 
 @dataclass(frozen=True)
@@ -68,10 +68,11 @@ class Summarized(Protocol):
 
 @dataclass(frozen=True)
 class RankPlan:
-    """Everything rank `rank` of `tp` receives; `header` is the exact safetensors header bytes."""
+    """Everything rank `rank` of a world of `world` ranks receives; `header` is the exact safetensors
+    header bytes. Its file is `rank_file_name(rank, world)`."""
 
     rank: int
-    tp: int
+    world: int
     tensors: tuple[OutTensor, ...]
     header: bytes
     files: dict[str, tuple[int, int | str]] = field(default_factory=dict)  # source -> (size, mtime_ns or ETag)
@@ -91,15 +92,15 @@ class RankPlan:
         return {"tensors": len(self.tensors), "bytes": self.size, "replicated_bytes": replicated, "bytes_read": read}
 
 
-def rank_file_name(rank: int, tp: int) -> str:
-    return f"rank-{rank:05d}-of-{tp:05d}.safetensors"
+def rank_file_name(rank: int, world: int) -> str:
+    return f"rank-{rank:05d}-of-{world:05d}.safetensors"
 
 
 def check_tp(tp: Any, rank: Any = None) -> None:
-    if type(tp) is not int or not 1 <= tp <= MAX_TP:
-        raise PlanError(f"tp={tp!r} must be an integer from 1 to {MAX_TP}")
-    if rank is not None and (type(rank) is not int or not 0 <= rank < tp):
-        raise PlanError(f"rank={rank!r} is out of range for tp={tp} (0..{tp - 1})")
+    """`PlanError` unless `tp` is a valid tensor-parallel size and `rank` (when given) one of its ranks."""
+    layout = Layout(tp=tp)
+    if rank is not None:
+        layout.check_rank(rank)
 
 
 def rank_metadata(tp: int, rank: int, tensors: dict[str, dict[str, Any]]) -> dict[str, str]:
@@ -119,13 +120,21 @@ def source_files(ckpt: Source) -> dict[str, tuple[int, int | str]]:
 
 @dataclass(frozen=True)
 class Plan:
-    """Every rank's plan plus what identifies it (source files, manifest, tp)."""
+    """Every rank's plan plus what identifies it (source files, manifest, layout)."""
 
-    tp: int
+    layout: Layout
     ranks: tuple[RankPlan, ...]
     manifest: Manifest
     identity: dict[str, Any]
     warnings: tuple[str, ...] = ()
+
+    @property
+    def tp(self) -> int:
+        return self.layout.tp
+
+    @property
+    def world(self) -> int:
+        return self.layout.world
 
     @property
     def digest(self) -> str:
@@ -137,7 +146,7 @@ def plan_to_json(plan: Plan, *, tensors: bool = True) -> dict[str, Any]:
     """A JSON-able view of a plan (what `reshard plan --json` prints and the service returns)."""
     ranks = []
     for rp in plan.ranks:
-        entry: dict[str, Any] = {"rank": rp.rank, "file": rank_file_name(rp.rank, rp.tp), **rp.stats(),
+        entry: dict[str, Any] = {"rank": rp.rank, "file": rank_file_name(rp.rank, rp.world), **rp.stats(),
                                  "header_bytes": len(rp.header)}
         if tensors:
             entry["tensors"] = [
@@ -147,5 +156,12 @@ def plan_to_json(plan: Plan, *, tensors: bool = True) -> dict[str, Any]:
                 for t in rp.tensors
             ]
         ranks.append(entry)
-    return {"tp": plan.tp, "plan": plan.digest, "manifest_source": plan.manifest.source,
-            "warnings": list(plan.warnings), "ranks": ranks}
+    return {**plan_head(plan), "ranks": ranks}
+
+
+def plan_head(plan: Plan) -> dict[str, Any]:
+    """What `plan_to_json` says of the plan before its ranks (the layout and world size beyond TP)."""
+    head: dict[str, Any] = {"tp": plan.tp}
+    if not plan.layout.tp_only:
+        head.update(layout=plan.layout.sizes(), world=plan.world)
+    return {**head, "plan": plan.digest, "manifest_source": plan.manifest.source, "warnings": list(plan.warnings)}

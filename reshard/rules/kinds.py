@@ -207,6 +207,22 @@ def loader_for(rule: Rule, suffix: str) -> ShardLoader:
     return _REGISTRY[rule.kind](rule, suffix)
 
 
+def _check_selection(name: str, shape: tuple[int, ...], sel: Selection) -> None:
+    if len(sel) != len(shape) or any(a < 0 or b < a for dim in sel for a, b in dim):
+        raise PlanError(f"{name}: loader returned an invalid selection {sel} for shape {list(shape)}")
+
+
+def tensor_selection(name: str, shape: tuple[int, ...], rule: Rule, rank: int, tp: int) -> Selection:
+    """The selection `rule` gives rank `rank` of `tp` for tensor `name`; errors name the tensor."""
+    suffix = "." + name.rsplit(".", 1)[-1] if "." in name else ""
+    try:
+        sel = loader_for(rule, suffix).select(shape, rank, tp)
+    except PlanError as e:
+        raise PlanError(f"{name}: {e} (rule {rule.pattern!r}, kind {rule.kind})") from None
+    _check_selection(name, shape, sel)
+    return sel
+
+
 def _int_option(rule: Rule, key: str) -> int | None:
     value = rule.options.get(key)
     if value is not None and (type(value) is not int or value <= 0):

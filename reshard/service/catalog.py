@@ -26,7 +26,8 @@ from reshard.format.checkpoint import CONFIG_NAME, INDEX_NAME, Checkpoint
 from reshard.gcpause import paused_gc
 from reshard.io.outfs import write_json_atomic
 from reshard.io.sources import checkpoint_manifest
-from reshard.plan.planner import RankPlanner, make_plan, make_planner, resolve_rules
+from reshard.layout.mesh import Layout
+from reshard.plan.planner import LayoutPlanner, as_layout, make_plan, make_planner, resolve_rules
 from reshard.plan.types import Plan, RankPlan
 from reshard.rules.manifest import Manifest
 from reshard.service.errors import BadRequest
@@ -107,7 +108,7 @@ class Catalog:
         self.rules_dir = settings.state_dir / "rules"
         self._ckpts: LRU[tuple[str, StatKey], _Entry] = LRU(settings.checkpoint_cache)
         self._plans: LRU[tuple[Any, ...], tuple[str, RankPlan]] = LRU(settings.plan_cache)
-        self._planners: LRU[tuple[Any, ...], tuple[str, RankPlanner]] = LRU(8)
+        self._planners: LRU[tuple[Any, ...], tuple[str, LayoutPlanner]] = LRU(8)
         self._stored: LRU[tuple[str, int, int], Manifest] = LRU(256)
 
     # --- paths -------------------------------------------------------------------------------
@@ -262,29 +263,29 @@ class Catalog:
 
     # --- plans -------------------------------------------------------------------------------
 
-    def plan(self, src: ServedCheckpoint, tp: int, *, ranks: list[int] | None = None) -> Plan:
-        return make_plan(src.ckpt, src.manifest, tp, ranks=ranks)
+    def plan(self, src: ServedCheckpoint, layout: Layout | int, *, ranks: list[int] | None = None) -> Plan:
+        return make_plan(src.ckpt, src.manifest, layout, ranks=ranks)
 
-    def planner(self, src: ServedCheckpoint, tp: int) -> tuple[Plan, RankPlanner]:
-        """The plan of `tp` (no rank planned) and a fresh planner of its ranks, every rank's layout
+    def planner(self, src: ServedCheckpoint, layout: Layout | int) -> tuple[Plan, LayoutPlanner]:
+        """The plan of `layout` (no rank planned) and a fresh planner of its ranks, every rank's layout
         checked first (a bad rule fails before an answer starts) and none kept: for one pass over the
-        ranks (`plan_ranks_once`, the JSON plan) in memory that does not grow with tp."""
-        planner, plan = make_planner(src.ckpt, src.manifest, tp)
-        for rank in range(tp):  # the collector paused rank by rank: a rank's layouts leave cycles behind
+        ranks (`plan_ranks_once`, the JSON plan) in memory that does not grow with the world size."""
+        planner, plan = make_planner(src.ckpt, src.manifest, layout)
+        for rank in range(plan.world):  # the collector paused rank by rank: a rank's layouts leave cycles behind
             with paused_gc():
                 planner.layouts(rank)
-            _forget(planner, rank)
+            planner.forget(rank)
         return plan, planner
 
-    def rank_plan(self, src: ServedCheckpoint, tp: int, rank: int) -> tuple[str, RankPlan]:
-        """(plan digest, RankPlan) for one rank, cached by stat identity, manifest, tp and rank; the
-        tensor groups of a (checkpoint, manifest, tp) are kept too, so its other ranks plan fast."""
-        key = (src.name, src.key, src.manifest.digest(), tp)
+    def rank_plan(self, src: ServedCheckpoint, layout: Layout | int, rank: int) -> tuple[str, RankPlan]:
+        """(plan digest, RankPlan) for one rank, cached by stat identity, manifest, layout and rank; the
+        tensor groups of a (checkpoint, manifest, layout) are kept too, so its other ranks plan fast."""
+        key = (src.name, src.key, src.manifest.digest(), as_layout(layout))
         hit = self._plans.get((*key, rank))
         if hit is None:
             planned = self._planners.get(key)
             if planned is None:
-                planner, plan = make_planner(src.ckpt, src.manifest, tp)
+                planner, plan = make_planner(src.ckpt, src.manifest, layout)
                 planned = (plan.digest, planner)
                 self._planners.put(key, planned)
             with paused_gc():
@@ -306,19 +307,12 @@ class Catalog:
                 "manifest": manifest.to_dict()}
 
 
-def _forget(planner: RankPlanner, rank: int) -> None:
-    """Drop the layouts `RankPlanner.layouts` keeps for a second `plan(rank)` (a RankPlan holds its own)."""
-    kept = getattr(planner, "_layouts", None)
-    if isinstance(kept, dict):
-        kept.pop(rank, None)
-
-
-def plan_ranks_once(planner: RankPlanner, ranks: Iterable[int]) -> Iterator[RankPlan]:
+def plan_ranks_once(planner: LayoutPlanner, ranks: Iterable[int]) -> Iterator[RankPlan]:
     """`planner.plan(r)` for each of `ranks`, each rank's layouts dropped once it is planned."""
     for rank in ranks:
         with paused_gc():
             rp = planner.plan(rank)
-        _forget(planner, rank)
+        planner.forget(rank)
         yield rp
 
 

@@ -43,6 +43,7 @@ from typing import Any
 from reshard.errors import NotFoundError, ReshardError, StateUnavailableError
 from reshard.io.outfs import output_errors
 from reshard.io.writer import write_shards
+from reshard.layout.mesh import Layout
 from reshard.plan.types import Plan, rank_file_name
 from reshard.service.catalog import Catalog, ServedCheckpoint
 from reshard.service.digests import DigestCache
@@ -82,6 +83,7 @@ class Job:
     started_at: float | None = None
     finished_at: float | None = None
     made_dirs: list[str] = field(default_factory=list)  # what the job created, removed if it fails (not served)
+    layout: dict[str, int] | None = None  # the sizes beyond tp, when there are any
 
     def to_json(self) -> dict[str, Any]:
         """Every field (the saved record and the `JobOut` body); `output_dir` as a string."""
@@ -91,7 +93,7 @@ class Job:
 
     @classmethod
     def from_json(cls, obj: dict[str, Any]) -> Job:
-        values = {f.name: obj[f.name] for f in fields(cls) if f.name in obj or f.name != "made_dirs"}
+        values = {f.name: obj[f.name] for f in fields(cls) if f.name in obj or f.name not in ("made_dirs", "layout")}
         if values["state"] not in STATES or not isinstance(values["id"], str):
             raise ValueError(f"bad job record {obj!r:.200}")
         return cls(**{**values, "output_dir": Path(values["output_dir"])})
@@ -127,12 +129,12 @@ class JobManager:
         self.state.on_reopen(self._save_live)
         self._recover(sweep=True)
 
-    def submit(self, name: str, tp: int, *, ranks: list[int] | None = None, rules: str | None = None) -> Job:
+    def submit(self, name: str, layout: Layout, *, ranks: list[int] | None = None, rules: str | None = None) -> Job:
         src = self.catalog.source(name, rules=rules)
-        plan = self.catalog.plan(src, tp, ranks=sorted(set(ranks)) if ranks is not None else None)
-        out_dir = self.out / name / f"tp-{tp}"
-        job = Job(uuid.uuid4().hex, name, tp, [rp.rank for rp in plan.ranks], rules, plan.digest, out_dir,
-                  sum(rp.size for rp in plan.ranks))
+        plan = self.catalog.plan(src, layout, ranks=sorted(set(ranks)) if ranks is not None else None)
+        out_dir = self.out / name / layout.dir_name()
+        job = Job(uuid.uuid4().hex, name, layout.tp, [rp.rank for rp in plan.ranks], rules, plan.digest, out_dir,
+                  sum(rp.size for rp in plan.ranks), layout=None if layout.tp_only else layout.sizes())
         self.state.put_job(job.to_json(), owner=self._owner)  # a state database that fails: 503 / 507
         with contextlib.suppress(StateUnavailableError):
             self.state.forget_old_jobs(self.max_kept)
@@ -353,7 +355,7 @@ class JobManager:
         record = write_shards(src.ckpt, plan, job.output_dir, progress=False, on_bytes=on_bytes)
         job.bytes_done = job.bytes_total  # rank files an earlier run published were kept, not rewritten
         for rp in plan.ranks:
-            name = rank_file_name(rp.rank, rp.tp)
+            name = rank_file_name(rp.rank, rp.world)
             job.outputs.append(str(job.output_dir / name))
             if self.digests is not None:
                 self.digests.put(shard_etag(plan.digest, rp.rank), record["files"][name]["sha256"])

@@ -23,7 +23,7 @@ from reshard.service.process import pid_gone, wait_exited
 log = logging.getLogger("reshard.service")
 EXIT_WAIT = 30.0  # seconds a dead worker's threads may take to end before its leftovers are swept
 _TMP = re.compile(rf"^{re.escape(TMP_PREFIX)}(\d+)-")
-_TP_DIR = re.compile(r"^tp-\d+$")
+_TP_DIR = re.compile(r"^(?:(?:pp|dp_replicate|fsdp)-\d+-)*tp-\d+(?:-ep-\d+)?$")  # Layout.dir_name
 DirLock = Callable[..., AbstractContextManager[bool]]  # (directory, wait=False) -> whether it is free
 
 

@@ -117,7 +117,10 @@ class RankOut(BaseModel):
 
 class PlanOut(BaseModel):
     tp: int
-    plan: str = Field(description="sha256 of source identity, manifest and tp")
+    layout: dict[str, int] | None = Field(None, description="the sizes beyond tp (pp, fsdp, ep, dp_replicate), "
+                                          "when the layout has any")
+    world: int | None = Field(None, description="the number of ranks, when the layout is more than tp")
+    plan: str = Field(description="sha256 of source identity, manifest and layout")
     manifest_source: str
     warnings: list[str]
     ranks: list[RankOut]
@@ -136,8 +139,12 @@ class JobIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     tp: int = Field(ge=1, le=MAX_TP, strict=True)
+    pp: int = Field(1, ge=1, le=MAX_TP, strict=True, description="pipeline stages")
+    fsdp: int = Field(1, ge=1, le=MAX_TP, strict=True, description="FSDP shards of every parameter")
+    ep: int = Field(1, ge=1, le=MAX_TP, strict=True, description="expert-parallel degree")
+    dp_replicate: int = Field(1, ge=1, le=MAX_TP, strict=True, description="data-parallel replicas (HSDP)")
     ranks: list[Annotated[int, Field(ge=0, lt=MAX_TP, strict=True)]] | None = Field(
-        None, min_length=1, max_length=MAX_TP, description="default: every rank")
+        None, min_length=1, max_length=MAX_TP, description="default: every rank (global ranks of the layout)")
     rules: str | None = Field(None, description="label of a stored manifest; default: the checkpoint's manifest",
                               pattern=NAME_PATTERN, max_length=128)
 
@@ -146,6 +153,7 @@ class JobOut(BaseModel):
     id: str
     checkpoint: str
     tp: int
+    layout: dict[str, int] | None = Field(None, description="the sizes beyond tp, when the layout has any")
     ranks: list[int]
     rules: str | None
     plan: str

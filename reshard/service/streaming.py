@@ -119,10 +119,10 @@ class ShardResponse(Response):
             outcome = await pump.run(receive, send)
             if outcome == "error":
                 # after the status line all we can do is cut the body short; the client sees a short read
-                log.warning("shard rank %d of tp=%d cut short: %s", self.plan.rank, self.plan.tp, pump.error)
+                log.warning("shard rank %d of %d cut short: %s", self.plan.rank, self.plan.world, pump.error)
             elif outcome == "timeout":
-                log.warning("shard rank %d of tp=%d dropped: the client took no data for %g s",
-                            self.plan.rank, self.plan.tp, self.ctx.send_timeout)
+                log.warning("shard rank %d of %d dropped: the client took no data for %g s",
+                            self.plan.rank, self.plan.world, self.ctx.send_timeout)
         finally:
             stream.close()  # the reader thread has returned: cancellation waits for it
             if copy is not None:

@@ -17,6 +17,7 @@ from reshard.fill.hf import hf_config, init_buffers
 from reshard.fill.open import open_rank_stream
 from reshard.fill.stream import RankHeader, fill_parameters, read_header_from
 from reshard.format.tensors import TORCH_DTYPES
+from reshard.layout.mesh import Layout
 from reshard.rules.quant.dequant import Dequantizer
 from reshard.tp.comm import tp_rank, tp_world_size
 from reshard.trainer.adjust import install_gradient_sums
@@ -47,8 +48,10 @@ def build_model(
     tp, rank = tp_world_size(group), tp_rank(group)
     config, chunks, sha, name = open_rank_stream(source, rank, tp, token=token)
     header, leftover = read_header_from(chunks, name)
-    if (header.tp, header.rank) != (tp, rank):
-        raise CheckpointError(f"{name}: is rank {header.rank} of tp={header.tp}, expected {rank} of {tp}")
+    if not header.layout.tp_only:
+        raise CheckpointError(f"{name}: is a shard of {header.layout.describe()}; the bundled trainer runs tensor "
+                              f"parallelism only: write rank files of tp={tp} alone (reshard write SHARDS --tp {tp} -o DIR)")
+    header.check(rank, Layout(tp=tp), fix=f"give it rank {rank}'s shard of tp={tp}")
     if dtype is None:
         Dequantizer(header.tensors, header.dtypes()).check_keep()
     model = meta_model(hf_config(config), dtype=dtype or stored_dtype(header),

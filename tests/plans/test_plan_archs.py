@@ -20,50 +20,16 @@ import torch
 from safetensors.torch import load_file
 
 from reshard.plan.types import rank_file_name
-from tests.support.plan_archs import ARCHS, DENSE, MOES, Built, full_checkpoint, same_tensor
-
-
-class HFNames:
-    """transformers' own renaming of checkpoint keys to in-memory names (its conversion mapping)."""
-
-    def __init__(self, model_type: str) -> None:
-        from transformers import AutoConfig, AutoModelForCausalLM
-        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
-        from transformers.core_model_loading import WeightConverter
-
-        # looked up as transformers does on load: the model class's mapping first, then the model_type's
-        model_class = AutoModelForCausalLM._model_mapping[type(AutoConfig.for_model(model_type))]
-        transforms = get_checkpoint_conversion_mapping(model_class.__name__)
-        if transforms is None:
-            transforms = get_checkpoint_conversion_mapping(model_type) or []
-        self.converters = [t for t in transforms if isinstance(t, WeightConverter)]
-        self.renamings = [t for t in transforms if not isinstance(t, WeightConverter)]
-
-    def __call__(self, key: str) -> tuple[str, Any, int | None]:
-        """(in-memory name, the converter that fuses it or None, index of its source pattern)."""
-        from transformers.core_model_loading import rename_source_key
-
-        renamed, pattern = rename_source_key(key, self.renamings, self.converters)
-        if pattern is None:
-            return renamed, None, None
-        conv = next(c for c in self.converters if pattern in c.source_patterns)
-        return renamed, conv, conv.source_patterns.index(pattern)
-
-
-def _fuse(conv: Any, pieces: dict[int, dict[int, torch.Tensor]]) -> torch.Tensor:
-    """Apply the converter's ops to per-expert pieces {source index: {expert: tensor}} as transformers does."""
-    parts = [[pieces[s][e] for e in sorted(pieces[s])] for s in sorted(pieces)]
-    tensors: list[torch.Tensor] = []
-    for op in conv.operations:
-        name = type(op).__name__
-        if name == "MergeModulelist":
-            tensors = [torch.stack(p, dim=op.dim) for p in parts]
-        elif name == "Concatenate":
-            tensors = [torch.cat(tensors, dim=op.dim)]
-        else:
-            raise AssertionError(f"converter op {name} not rebuilt by this test")
-    assert len(tensors) == 1, conv
-    return tensors[0]
+from tests.support.plan_archs import (
+    ARCHS,
+    DENSE,
+    MOES,
+    Built,
+    HFNames,
+    full_checkpoint,
+    fuse_experts,
+    same_tensor,
+)
 
 
 def _per_block(t: torch.Tensor, blocks: list[int], rank: int, tp: int, dim: int = 0) -> torch.Tensor:
@@ -124,7 +90,7 @@ def compare_with_transformers(built: Built, tp: int = 2) -> dict[str, Any]:
         for mem, (conv, pieces) in groups.items():
             fused.add(mem)
             seen.add(mem)
-            same_tensor(_fuse(conv, pieces), theirs[mem], f"{mem} rank {rank} (rebuilt from per-expert shards)")
+            same_tensor(fuse_experts(conv, pieces), theirs[mem], f"{mem} rank {rank} (rebuilt from per-expert shards)")
         rest = set(theirs) - seen
         for mem in rest:  # tied heads: transformers lists lm_head, the checkpoint holds the embedding only
             assert mem.endswith("lm_head.weight") and config.get("tie_word_embeddings", True), mem

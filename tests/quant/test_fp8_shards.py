@@ -17,8 +17,8 @@ from reshard.errors import ManifestError, PlanError
 from reshard.io.merge import merge
 from reshard.io.sources import open_source
 from reshard.plan.planner import make_plan
-from reshard.plan.segments import tensor_selection
 from reshard.plan.types import rank_file_name
+from reshard.rules.kinds import tensor_selection
 from reshard.testing.synth import llama_config
 from tests.support.fp8_ckpt import (
     BLOCK_QC,

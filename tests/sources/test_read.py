@@ -67,7 +67,7 @@ def test_bytes_read_is_what_the_local_stream_preads(local_root: Path, monkeypatc
         read.clear()
         with RankStream(rp, chunk_size=rp.size) as stream:  # one chunk: no piece cut at a chunk edge
             data = bytes(next(stream.chunks()))
-        plain = RankPlan(rp.rank, rp.tp, tuple(rp.tensors), rp.header, rp.files)  # stats tensor by tensor
+        plain = RankPlan(rp.rank, rp.world, tuple(rp.tensors), rp.header, rp.files)  # stats tensor by tensor
         assert rp.stats()["bytes_read"] == plain.stats()["bytes_read"] == sum(read), (rp.rank, sum(read))
         segs = [s for t in rp.tensors for s in t.segments if s.file]
         rows = sum(s.count * s.stride for s in segs if not s.contiguous)  # the whole rows a row split touches

@@ -17,7 +17,7 @@ def _extent(e: Any) -> Any:
 def plan_digest(ranks: Any) -> str:
     h = hashlib.sha256()
     for rp in ranks:
-        h.update(b"rank %d of %d|" % (rp.rank, rp.tp))
+        h.update(b"rank %d of %d|" % (rp.rank, rp.world))
         h.update(rp.header)
         for t in rp.tensors:
             h.update(repr((t.name, t.dtype, t.shape, t.begin, t.end, tuple(map(_extent, t.segments)))).encode())
@@ -29,8 +29,9 @@ def reference_plan(ckpt: Any, manifest: Any, tp: int) -> list[Any]:
     each tensor's own selection, `segments_for` and description, then `layout` (sort + `encode_header`)."""
     from reshard.format.selection import selection_shape
     from reshard.plan.planner import resolve_rules
-    from reshard.plan.segments import layout, segments_for, tensor_selection
+    from reshard.plan.segments import layout, segments_for
     from reshard.plan.types import OutTensor, rank_metadata, source_files
+    from reshard.rules.kinds import tensor_selection
 
     tensors, files = ckpt.global_tensors(), source_files(ckpt)
     rules, _ = resolve_rules(list(tensors), manifest)
@@ -43,5 +44,5 @@ def reference_plan(ckpt: Any, manifest: Any, tp: int) -> list[Any]:
             items.append(OutTensor(name, src.dtype, selection_shape(sel), src.shape, rule.kind, dict(rule.options),
                                    sel, segments_for(src, sel)))
         meta = rank_metadata(tp, rank, {t.name: t.describe() for t in items})
-        ranks.append(layout(items, meta, files, rank=rank, tp=tp))
+        ranks.append(layout(items, meta, files, rank=rank, world=tp))
     return ranks

@@ -139,7 +139,7 @@ def test_shards_of_another_tp_give_a_clear_error(tp_runs: Any, arch_work: Path, 
 
 @pytest.mark.pure
 def test_shards_of_another_tp_without_a_process_group(arch_work: Path) -> None:
-    with pytest.raises(CheckpointError, match=r"tp=\[2\]\); run `reshard write .* --tp 1 -o DIR`"):
+    with pytest.raises(CheckpointError, match=r"worlds of \[2\] ranks\); run `reshard write .* --tp 1 -o DIR`"):
         build_model(arch_work / "llama" / "tp2")
 
 

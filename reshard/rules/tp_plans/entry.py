@@ -4,7 +4,8 @@ A `PlanEntry` holds what transformers declares for a `model_type`: the config cl
 `base_model_tp_plan`, the CausalLM class's `_tp_plan` (the `lm_head`), the base-model prefix the
 checkpoint's names carry, the config's `attribute_map` and defaults for the sizes reshard reads, and
 the checkpoint conversion mapping (`transformers.conversion_mapping`) that turns on-disk names (per-expert
-MoE tensors) into the in-memory parameters the plan names. Both sources give the same dataclass.
+MoE tensors) into the in-memory parameters the plan names, and the pipeline and expert-parallel plans
+(`base_model_pp_plan`'s modules, `base_model_ep_plan`). Both sources give the same dataclass.
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ class PlanEntry:
     attribute_map: dict[str, str] = field(default_factory=dict)
     defaults: dict[str, Any] = field(default_factory=dict)
     conversion: list[dict[str, Any]] = field(default_factory=list)
+    pp_plan: list[str] = field(default_factory=list)  # the base model's modules `base_model_pp_plan` names
+    ep_plan: dict[str, str] = field(default_factory=dict)  # `base_model_ep_plan`: module or parameter -> style
+    buffers: list[str] = field(default_factory=list)  # persistent buffers (FSDP leaves them whole), `*` for layers
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)

@@ -109,4 +109,24 @@ def live_entry(model_type: str) -> PlanEntry | None:
         model_type=model_type, base_plan=dict(plan), lm_plan=lm_plan, prefix=prefix,
         attribute_map=dict(getattr(config_cls, "attribute_map", {}) or {}), defaults=defaults,
         conversion=serialize_conversion(model_type, model_cls.__name__ if model_cls is not None else None),
+        pp_plan=list(getattr(config_cls, "base_model_pp_plan", None) or {}),
+        ep_plan=dict(getattr(config_cls, "base_model_ep_plan", None) or {}),
+        buffers=persistent_buffers(model_cls, config_cls),
     )
+
+
+def persistent_buffers(model_cls: Any, config_cls: Any) -> list[str]:
+    """The model's persistent buffers (in its state dict, not parameters: FSDP does not shard them), layer
+    numbers as `*`, from the class built on the meta device with the config's defaults ([] if it cannot be)."""
+    import torch
+
+    from reshard.rules.tp_plans.derive import wildcard
+
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()), torch.device("meta"):
+            warnings.simplefilter("ignore")
+            model = model_cls(config_cls())
+    except Exception:  # noqa: BLE001 - a config class whose defaults do not build: none known
+        return []
+    skip = {f"{m}.{b}" if m else b for m, mod in model.named_modules() for b in getattr(mod, "_non_persistent_buffers_set", ())}
+    return sorted({wildcard(n) for n, _ in model.named_buffers() if n not in skip})

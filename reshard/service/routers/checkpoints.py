@@ -16,11 +16,11 @@ from fastapi import APIRouter, Path, Query, Request, Response
 from fastapi.responses import StreamingResponse
 from pydantic import Field
 
-from reshard.plan.planner import RankPlanner
-from reshard.plan.types import MAX_TP, Plan, plan_to_json
+from reshard.plan.planner import LayoutPlanner
+from reshard.plan.types import MAX_TP, Plan, plan_head, plan_to_json
 from reshard.rules.manifest import Manifest
 from reshard.service.catalog import DEFAULT_LABEL, plan_ranks_once
-from reshard.service.deps import TP, CatalogDep, Label, MetricsDep, Name, Rules, SettingsDep, off_loop
+from reshard.service.deps import CatalogDep, Label, LayoutDep, MetricsDep, Name, Rules, SettingsDep, off_loop
 from reshard.service.errors import BadRequest, error_responses
 from reshard.service.ranges import shard_etag
 from reshard.service.schemas import (
@@ -67,16 +67,17 @@ def get_checkpoint(name: Name, catalog: CatalogDep, rules: Rules = None) -> dict
     "`tensors=false`, or for one rank's shard headers).",
     responses=error_responses(400, 401, 404, 422),
 )
-async def get_plan(name: Name, tp: TP, catalog: CatalogDep, rules: Rules = None,
+async def get_plan(name: Name, layout: LayoutDep, catalog: CatalogDep, rules: Rules = None,
                    tensors: Annotated[bool, Query(description="list every tensor of every rank")] = True) -> Response:
     src = await off_loop(catalog.source, name, rules=rules)
-    count = len(src.ckpt.global_tensors())
-    if tensors and tp * count > MAX_LISTED:
+    count, world = len(src.ckpt.global_tensors()), layout.world
+    if tensors and world * count > MAX_LISTED:
+        at = f"tp={world}" if layout.tp_only else f"{layout.describe()} ({world} ranks)"
         raise BadRequest(
-            f"the plan of {name!r} at tp={tp} would list {tp} x {count} = {tp * count} tensors, over the "
+            f"the plan of {name!r} at {at} would list {world} x {count} = {world * count} tensors, over the "
             f"{MAX_LISTED} one answer lists; ask with tensors=false (each rank's totals), for a smaller tp, "
             "or for one rank (HEAD .../shards/RANK?tp=N)")
-    plan, planner = await off_loop(catalog.planner, src, tp)
+    plan, planner = await off_loop(catalog.planner, src, layout)
     per = max(1, _BATCH // max(1, count if tensors else 16))
     return StreamingResponse(_plan_json(plan, planner, tensors=tensors, per=per), media_type="application/json")
 
@@ -86,7 +87,7 @@ def _dumps(obj: Any) -> bytes:
     return json.dumps(obj, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":")).encode("utf-8")
 
 
-def _ranks_json(plan: Plan, planner: RankPlanner, ranks: range, *, tensors: bool) -> bytes:
+def _ranks_json(plan: Plan, planner: LayoutPlanner, ranks: range, *, tensors: bool) -> bytes:
     """`plan_to_json`'s entries of `ranks` (with their ETags), comma-joined, each rank's plan dropped once written."""
     out = []
     for rp in plan_ranks_once(planner, ranks):
@@ -104,13 +105,11 @@ def _ranks_json(plan: Plan, planner: RankPlanner, ranks: range, *, tensors: bool
     return b",".join(out)
 
 
-async def _plan_json(plan: Plan, planner: RankPlanner, *, tensors: bool, per: int) -> AsyncIterator[bytes]:
+async def _plan_json(plan: Plan, planner: LayoutPlanner, *, tensors: bool, per: int) -> AsyncIterator[bytes]:
     """The `PlanOut` JSON, a batch of `per` ranks at a time, each planned in a worker thread."""
-    head = {"tp": plan.tp, "plan": plan.digest, "manifest_source": plan.manifest.source,
-            "warnings": list(plan.warnings)}
-    yield _dumps(head)[:-1] + b',"ranks":['
-    for start in range(0, plan.tp, per):
-        batch = range(start, min(start + per, plan.tp))
+    yield _dumps(plan_head(plan))[:-1] + b',"ranks":['
+    for start in range(0, plan.world, per):
+        batch = range(start, min(start + per, plan.world))
         body = await off_loop(_ranks_json, plan, planner, batch, tensors=tensors)
         yield (b"," + body) if start else body
     yield b"]}"

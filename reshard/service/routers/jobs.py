@@ -6,6 +6,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Path, Response
 
+from reshard.layout.mesh import Layout
 from reshard.service.deps import JobsDep, Name
 from reshard.service.errors import error_responses
 from reshard.service.schemas import JobIn, JobOut
@@ -18,13 +19,15 @@ router = APIRouter(tags=["jobs"])
     status_code=202,
     response_model=JobOut,
     summary="Write rank files in the background",
-    description="Plans `tp` (all ranks, or `ranks`) now and answers 202; the rank files, config.json and "
-    "reshard.json are then written atomically to OUT/NAME/tp-N. Poll `GET /v1/jobs/{id}`. While the "
+    description="Plans the layout (`tp`, and `pp`, `fsdp`, `ep`, `dp_replicate`: all ranks, or `ranks`) now and "
+    "answers 202; the rank files, config.json and reshard.json are then written atomically to OUT/NAME/tp-N "
+    "(OUT/NAME/pp-2-fsdp-2-tp-2-ep-4 for a layout beyond tp). Poll `GET /v1/jobs/{id}`. While the "
     "server's job database cannot be written, answers 507 (its file system is full) or 503.",
     responses=error_responses(400, 401, 404, 422, 503, 507),
 )
 def submit_job(name: Name, body: JobIn, jobs: JobsDep, response: Response) -> JobOut:
-    job = jobs.submit(name, body.tp, ranks=body.ranks, rules=body.rules)
+    layout = Layout(tp=body.tp, pp=body.pp, fsdp=body.fsdp, ep=body.ep, dp_replicate=body.dp_replicate)
+    job = jobs.submit(name, layout, ranks=body.ranks, rules=body.rules)
     response.headers["Location"] = f"/v1/jobs/{job.id}"
     return JobOut(**job.to_json())
 

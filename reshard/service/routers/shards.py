@@ -15,7 +15,7 @@ import anyio.to_thread
 from fastapi import APIRouter, Header, Path, Request, Response
 
 from reshard.plan.types import rank_file_name
-from reshard.service.deps import TP, CatalogDep, DigestsDep, MetricsDep, Name, Rules, StreamDep
+from reshard.service.deps import CatalogDep, DigestsDep, LayoutDep, MetricsDep, Name, Rules, StreamDep
 from reshard.service.errors import error_responses
 from reshard.service.ranges import etag_matches, list_header, parse_range, shard_etag, single_header
 from reshard.service.schemas import DigestOut
@@ -23,7 +23,7 @@ from reshard.service.streaming import SHA_HEADER, ShardResponse
 
 router = APIRouter(prefix="/v1/checkpoints", tags=["shards"])
 
-Rank = Annotated[int, Path(ge=0, le=4095, description="rank, 0..tp-1")]
+Rank = Annotated[int, Path(ge=0, le=4095, description="global rank, 0..world-1 (world = pp x dp_replicate x fsdp x tp)")]
 
 _SHARD_DOC = """The rank's safetensors file (`application/octet-stream`), streamed from the full checkpoint.
 
@@ -39,7 +39,7 @@ _SHARD_DOC = """The rank's safetensors file (`application/octet-stream`), stream
 
 
 def get_shard(
-    request: Request, name: Name, rank: Rank, tp: TP, catalog: CatalogDep, digests: DigestsDep, ctx: StreamDep,
+    request: Request, name: Name, rank: Rank, layout: LayoutDep, catalog: CatalogDep, digests: DigestsDep, ctx: StreamDep,
     rules: Rules = None,
     range_: Annotated[str | None, Header(alias="range")] = None,
     if_range: Annotated[str | None, Header()] = None,
@@ -50,12 +50,12 @@ def get_shard(
     if_range = single_header(request.headers, "if-range")
     if_none_match = list_header(request.headers, "if-none-match")
     src = catalog.source(name, rules=rules)
-    digest, rp = catalog.rank_plan(src, tp, rank)
+    digest, rp = catalog.rank_plan(src, layout, rank)
     etag = shard_etag(digest, rank)
     headers = {
         "ETag": etag,
         "Accept-Ranges": "bytes",
-        "Content-Disposition": f'attachment; filename="{rank_file_name(rank, tp)}"',
+        "Content-Disposition": f'attachment; filename="{rank_file_name(rank, layout.world)}"',
         "X-Reshard-Plan": digest,
     }
     sha = digests.get(etag)
@@ -99,12 +99,12 @@ for _method in ("GET", "HEAD"):
     "write jobs and by the first full download of the shard). Clients compare it with what they received.",
     responses=error_responses(400, 401, 404, 409, 422),
 )
-async def get_digest(name: Name, rank: Rank, tp: TP, catalog: CatalogDep, digests: DigestsDep,
+async def get_digest(name: Name, rank: Rank, layout: LayoutDep, catalog: CatalogDep, digests: DigestsDep,
                      ctx: StreamDep, metrics: MetricsDep, rules: Rules = None) -> DigestOut:
     src = await anyio.to_thread.run_sync(lambda: catalog.source(name, rules=rules))
-    digest, rp = await anyio.to_thread.run_sync(catalog.rank_plan, src, tp, rank)
+    digest, rp = await anyio.to_thread.run_sync(catalog.rank_plan, src, layout, rank)
     etag = shard_etag(digest, rank)
     sha, cached = await anyio.to_thread.run_sync(
         lambda: digests.compute(etag, rp, chunk_size=ctx.chunk_size), limiter=ctx.limiter())
     metrics.digests.labels("hit" if cached else "miss").inc()
-    return DigestOut(rank=rank, tp=tp, size=rp.size, etag=etag, sha256=sha, cached=cached)
+    return DigestOut(rank=rank, tp=layout.tp, size=rp.size, etag=etag, sha256=sha, cached=cached)

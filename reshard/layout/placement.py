@@ -1,0 +1,180 @@
+"""Which tensors a rank of a layout holds, and which part of each: TP, then FSDP, experts, stages.
+
+For rank r with coordinates c (`Layout.coords`), tensor t of role `Roles[t]`:
+
+1. pipeline: t is on r only if `c.pp` is one of its stages;
+2. experts: a tensor expert parallelism splits (ep > 1 and the ep plan names its parameter) is not
+   split by tp (the ep plan takes precedence, as in transformers); its expert axis is cut in
+   `chunk(E, ep)[c.ep]`, then that in `chunk(., efsdp)[c.efsdp]`. Without ep, FSDP cuts a fused
+   expert parameter's expert axis in `chunk(E, fsdp)[c.fsdp]`. A per-expert disk tensor is on r only
+   if its index falls in that range (whole); a fused one on disk keeps that range of its dim 0;
+3. tensor parallelism: every other tensor gets the selection its rule's kind gives rank `c.tp` of tp;
+4. FSDP: then dim 0 of what TP selected is cut as FSDP2's `fully_shard` holds it (`chunk`, a shorter
+   or empty last part) for rank `c.fsdp` of fsdp. dp_replicate replicates.
+
+Selections are in global indices (`reshard.format.selection`), so a rank file's self-description
+says exactly which part it holds, whatever the layout.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from typing import Any
+
+from reshard.errors import PlanError
+from reshard.format.checkpoint import GlobalTensor, WholeTensors
+from reshard.format.selection import Interval, Selection, full_selection
+from reshard.layout.mesh import Coords, Layout, chunk
+from reshard.layout.roles import Role, Roles
+from reshard.rules.kinds import tensor_selection
+from reshard.rules.manifest import Rule
+
+FORMAT = "reshard.rank/1"
+
+
+def take(intervals: tuple[Interval, ...], lo: int, hi: int) -> tuple[Interval, ...]:
+    """Positions [lo, hi) of the indices `intervals` list in order, as intervals of the same indices."""
+    out, pos = [], 0
+    for a, b in intervals:
+        n = b - a
+        s, e = max(lo - pos, 0), min(hi - pos, n)
+        if s < e:
+            out.append((a + s, a + e))
+        pos += n
+    return tuple(out)
+
+
+class Placement:
+    """The placement of every tensor of one checkpoint on every rank of `layout` (see the module
+    docstring); `roles` may be None for a TP-only layout."""
+
+    def __init__(self, layout: Layout, roles: Roles | None = None) -> None:
+        if roles is None and not layout.tp_only:
+            raise PlanError(f"{layout.describe()}: placing tensors beyond tp needs their roles")
+        self.layout, self.roles = layout, roles
+        self._rules: dict[tuple[int, tuple[bool, ...]], Rule] = {}
+
+    # --- which rank holds what -----------------------------------------------------------------
+
+    def role(self, name: str) -> Role:
+        return self.roles[name] if self.roles is not None else Role()
+
+    def experts(self, role: Role, c: Coords) -> tuple[int, int]:
+        """The range of its expert axis a rank holds of a tensor with `role.experts` experts."""
+        n, lay = role.experts, self.layout
+        if role.ep and lay.ep > 1:
+            a, b = chunk(n, lay.ep, c.ep)
+            lo, hi = chunk(b - a, lay.efsdp, c.efsdp)
+            return a + lo, a + hi
+        return chunk(n, lay.fsdp, c.fsdp)
+
+    def holds(self, name: str, c: Coords) -> bool:
+        """Whether rank `c` holds (a part of) tensor `name`."""
+        if self.roles is None:
+            return True
+        role = self.roles[name]
+        if c.pp not in self.roles.stages(name, self.layout.pp):
+            return False
+        if role.expert is not None:
+            a, b = self.experts(role, c)
+            return a <= role.expert < b
+        return True
+
+    def held(self, tensors: Mapping[str, GlobalTensor], c: Coords) -> Mapping[str, GlobalTensor]:
+        """The tensors of `tensors` rank `c` holds (a part of), in the same order and of the same kind."""
+        keep = [n for n in tensors if self.holds(n, c)]
+        infos = getattr(tensors, "infos", None)
+        if infos is not None:
+            return WholeTensors({n: infos[n] for n in keep})
+        return {n: tensors[n] for n in keep}
+
+    def subset(self, c: Coords) -> tuple[int, ...]:
+        """Ranks with the same subset key hold the same tensors (each its own part of them)."""
+        lay = self.layout
+        if lay.tp_only:
+            return ()
+        return (c.pp, c.ep, c.efsdp, c.fsdp if self.roles is not None and self.roles.has_experts else 0)
+
+    # --- which part ------------------------------------------------------------------------------
+
+    def rule_for(self, rule: Rule, name: str) -> Rule:
+        """`rule` as the planner should group by: one object per rule and role kind (tensors of one rule
+        whose roles differ are placed differently); the rule itself for TP-only layouts."""
+        if self.roles is None:
+            return rule
+        kind = self.roles[name].kind
+        if not any(kind):
+            return rule
+        key = (id(rule), kind)
+        hit = self._rules.get(key)
+        if hit is None:
+            hit = self._rules[key] = copy.copy(rule)
+        return hit
+
+    def select(self, name: str, shape: tuple[int, ...], rule: Rule, rank: int) -> Selection:
+        """The part of tensor `name` (global `shape`) rank `rank` holds."""
+        lay = self.layout
+        if lay.tp_only:
+            return tensor_selection(name, shape, rule, rank, lay.tp)
+        c = lay.coords(rank)
+        role = self.role(name)
+        if role.ep and lay.ep > 1:
+            sel = list(full_selection(shape))
+            if role.expert is None and shape:
+                sel[0] = (self.experts(role, c),)
+            return tuple(sel)
+        sel = tensor_selection(name, shape, rule, c.tp, lay.tp)
+        if lay.fsdp == 1 or not shape or role.buffer:  # FSDP shards parameters, not buffers
+            return sel
+        if role.experts:  # FSDP's dim 0 of a fused expert parameter is its expert axis
+            if role.expert is not None:
+                return sel
+            return (take(sel[0], *self.experts(role, c)), *sel[1:])
+        local = sum(b - a for a, b in sel[0])
+        return (take(sel[0], *chunk(local, lay.fsdp, c.fsdp)), *sel[1:])
+
+    # --- what a rank file says about itself ------------------------------------------------------
+
+    def metadata(self, rank: int) -> dict[str, str]:
+        """A rank file's `__metadata__` before its tensors' descriptions ("tensors" comes last)."""
+        lay = self.layout
+        meta = {"format": FORMAT, "tp": str(lay.tp), "rank": str(rank)}
+        if not lay.tp_only:
+            meta["layout"] = lay.to_json()
+        return meta
+
+    def check(self) -> None:
+        """Errors a layout meets only with this checkpoint: more stages than layers, experts ep cannot split."""
+        lay, roles = self.layout, self.roles
+        if roles is None:
+            return
+        if lay.pp > 1:
+            layers = roles.num_layers
+            if layers < lay.pp:
+                raise PlanError(f"pp={lay.pp} is more pipeline stages than the {layers} layers of this model "
+                                f"(each stage holds at least one); pick pp from 1 to {max(layers, 1)}")
+        if lay.ep > 1:
+            if not roles.has_ep_plan:
+                raise PlanError(f"ep={lay.ep}: this architecture declares no expert-parallel plan "
+                                "(base_model_ep_plan), so nothing is split by expert; use ep=1")
+            counts = sorted({r.experts for r in roles.roles.values() if r.ep})
+            if not counts:
+                raise PlanError(f"ep={lay.ep}: no tensor of this checkpoint is one the expert-parallel plan splits; "
+                                "use ep=1")
+            bad = [n for n in counts if n % lay.ep]
+            if bad:
+                good = [e for e in range(lay.tp, lay.fsdp * lay.tp + 1, lay.tp)
+                        if (lay.fsdp * lay.tp) % e == 0 and all(n % e == 0 for n in counts)]
+                raise PlanError(f"ep={lay.ep} does not divide the {bad[0]} experts of a layer; pick ep in "
+                                f"{{{','.join(map(str, good))}}}")
+
+
+def describe_layout(meta: dict[str, Any], where: str) -> Layout:
+    """The layout a rank file's metadata records (TP-only files record only tp)."""
+    if "layout" in meta:
+        return Layout.from_obj(meta["layout"], where=f"{where}: metadata `layout`")
+    try:
+        return Layout(tp=int(meta["tp"]))
+    except (KeyError, ValueError, TypeError):
+        raise PlanError(f"{where}: metadata has no tp") from None

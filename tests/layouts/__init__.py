@@ -1,0 +1,1 @@
+"""Tests of layouts beyond tensor parallelism: pipeline stages, FSDP, expert parallelism."""
