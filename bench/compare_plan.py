@@ -2,7 +2,8 @@
 
 `reshard plan --tp 8` on the synthetic checkpoint of `bench.moe_data` (64 experts a layer, gate/up
 column, down row, 16 files) is run side by side with the floor any planner pays: reading and parsing
-the 16 headers (`safetensors.safe_open`, every key, dtype and shape). Then `reshard serve` is started
+the 16 headers (`safetensors.safe_open`, every key, dtype and shape), and with planning a layout beyond
+TP, `--tp 8 --ep 8 --pp 2` (16 ranks: each holds half the layers and an eighth of their experts). Then `reshard serve` is started
 fresh each round over a root holding the same checkpoint and `curl` asks for rank 0 of tp=8 twice on
 one connection: the first answer's time to first byte is the cold one (the worker parses the headers
 and plans), the second the warm one (the same worker, its caches filled).
@@ -62,6 +63,8 @@ def run_plan(data_root: Path, work: Path, *, reps: int) -> list[dict[str, Any]]:
         Case("read the headers (safe_open)", [sys.executable, "-c", HEADERS, str(ckpt)], note="16 files"),
         Case(f"reshard plan --tp {TP}", [reshard_bin(), "plan", str(ckpt), "--tp", str(TP)],
              note=f"{TENSORS} tensors x {TP} ranks"),
+        Case(f"reshard plan --tp {TP} --ep {TP} --pp 2", [reshard_bin(), "plan", str(ckpt), "--tp", str(TP), "--ep",
+                                                          str(TP), "--pp", "2"], note=f"{2 * TP} ranks: a layout"),
     ]
     res = interleave(f"plan {TENSORS} tensors tp{TP}", cases, reps=reps, baseline=cases[0].name)
     plan = res["cases"][cases[1].name]

@@ -2,7 +2,8 @@
 
 `moe_checkpoint(path, tensors=100_000)` writes expert weights named like DeepSeek-V3's
 (`model.layers.L.mlp.experts.E.{gate,up,down}_proj.weight`) plus a few per-layer norms, spread over
-`num_files` safetensors files with an index, and a rules file (gate/up column, down row). The bytes
+`num_files` safetensors files with an index, a rules file (gate/up column, down row) and a config.json
+naming DeepSeek-V3 (its pipeline and expert-parallel plans place the tensors of layouts beyond TP). The bytes
 are a deterministic pattern (not random: planning reads headers only; tests that read bytes compare
 with `torch` slicing of what is on disk). Writing is done straight with numpy and the header encoder,
 so 100,000 tensors take a second or two, not minutes.
@@ -26,29 +27,36 @@ RULES = {"rules": [
 
 
 def moe_names(tensors: int, *, hidden: int, inter: int) -> list[tuple[str, tuple[int, ...]]]:
-    """(name, shape) of `tensors` tensors: per layer one norm and EXPERTS x (gate, up, down)."""
+    """(name, shape) of about `tensors` tensors: per layer one norm and EXPERTS x (gate, up, down); the last
+    layer has as many whole experts as fit (every expert of a layer has its three tensors)."""
     out: list[tuple[str, tuple[int, ...]]] = []
     layer = 0
     while len(out) < tensors:
         out.append((f"model.layers.{layer}.post_attention_layernorm.weight", (hidden,)))
-        for e in range(EXPERTS):
+        for e in range(min(EXPERTS, (tensors - len(out)) // 3)):
             base = f"model.layers.{layer}.mlp.experts.{e}"
             out += [(f"{base}.gate_proj.weight", (inter, hidden)), (f"{base}.up_proj.weight", (inter, hidden)),
                     (f"{base}.down_proj.weight", (hidden, inter))]
         layer += 1
-    return out[:tensors]
+    return out
 
 
 def moe_checkpoint(path: Path, *, tensors: int = 100_000, num_files: int = 16, hidden: int = 16,
                    inter: int = 32) -> Path:
     """Write the checkpoint at `path` (reused when its stamp matches); return `path`."""
     path = Path(path)
-    stamp = {"tensors": tensors, "num_files": num_files, "hidden": hidden, "inter": inter, "dtype": "BF16"}
+    items = moe_names(tensors, hidden=hidden, inter=inter)
+    layers = int(items[-1][0].split(".")[2]) + 1
+    # config.json names the architecture whose names these are: the pipeline and expert plans of layouts
+    # beyond TP come from it (the TP rules from the rules file, which takes precedence)
+    config = {"model_type": "deepseek_v3", "num_hidden_layers": layers, "n_routed_experts": EXPERTS,
+              "hidden_size": hidden, "moe_intermediate_size": inter, "tie_word_embeddings": False}
+    stamp = {"tensors": tensors, "num_files": num_files, "hidden": hidden, "inter": inter, "dtype": "BF16",
+             "config": config, "experts": "whole"}
     stamp_file = path / "bench-moe.json"
     if stamp_file.exists() and json.loads(stamp_file.read_text()) == stamp:
         return path
     path.mkdir(parents=True, exist_ok=True)
-    items = moe_names(tensors, hidden=hidden, inter=inter)
     per_file = -(-len(items) // num_files)
     weight_map: dict[str, str] = {}
     for f in range(num_files):
@@ -67,5 +75,6 @@ def moe_checkpoint(path: Path, *, tensors: int = 100_000, num_files: int = 16, h
             fh.write(data.tobytes())
     (path / INDEX_NAME).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     (path / "reshard-rules.json").write_text(json.dumps(RULES))
+    (path / "config.json").write_text(json.dumps(config))
     stamp_file.write_text(json.dumps(stamp))
     return path

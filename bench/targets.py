@@ -101,8 +101,12 @@ def plan_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
     if p is None:
         return []
     c = next(v for k, v in p["cases"].items() if k.startswith("reshard plan"))
+    nd = next((v for k, v in p["cases"].items() if "--pp" in k), None)
     fb = p.get("first_byte", {})
-    return [
+    layout = [] if nd is None else [
+        _t("`reshard plan --tp 8 --ep 8 --pp 2` (16 ranks) vs `--tp 8`", f"{nd['median_s'] / c['median_s']:.2f}x "
+           f"({nd['median_s']:.2f} s)", "<= 1.5x", nd["median_s"] <= 1.5 * c["median_s"])]
+    return layout + [
         _t(f"`reshard plan --tp {p['tp']}`, {p['tensors']} tensors", f"{c['median_s']:.2f} s "
            f"({c['us_per_tensor_rank']:.2f} us per tensor per rank)", "< 2 s, <= 2 us", c["median_s"] < 2),
         _t("peak RssAnon of `reshard plan`", f"{c['median_peak_rss_anon_mib']:.0f} MiB", "< 300 MB",

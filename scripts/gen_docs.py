@@ -292,7 +292,27 @@ def gen_coverage() -> str:
     return render(results, trainer)
 
 
+LAYOUTS = ROOT / "tests" / "layouts" / "results" / "combinations.json"
+
+
+def gen_layouts() -> str:
+    """The layout tests' findings (written with RESHARD_LAYOUTS_OUT=...): per combination, whether
+    transformers loads it and what reshard's rank files equal, per architecture."""
+    data = json.loads(LAYOUTS.read_text(encoding="utf-8"))
+    rows = []
+    for _, c in sorted(data["combinations"].items(), key=lambda kv: (kv[1]["world"], kv[0])):
+        sizes = " x ".join(f"{k.removesuffix('_size')}={v}" for k, v in c["sizes"].items())
+        loads = "yes" if c["transformers"] == "loads" else f"no: `{c['transformers']}`"
+        equal = sorted({v for v in c["archs"].values()})
+        archs = ", ".join(sorted(c["archs"]))
+        rows.append([sizes, c["world"], loads, f"{' / '.join(equal)} ({archs})"])
+    head = (f"From `tests/layouts/results/combinations.json` (`RESHARD_LAYOUTS_OUT=... pytest tests/layouts`), "
+            f"transformers {data['transformers_version']}.")
+    return "\n".join([head, "", *_table(["combination", "ranks", "transformers loads it", "reshard's rank files"], rows)])
+
+
 GENERATORS: dict[str, Callable[[], str]] = {
+    "layouts": gen_layouts,
     "settings": gen_settings,
     "library-settings": gen_library_settings,
     "bench-quick": gen_bench_quick,

@@ -22,6 +22,8 @@ import copy
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
+
 from reshard.errors import PlanError
 from reshard.format.checkpoint import GlobalTensor, WholeTensors
 from reshard.format.selection import Interval, Selection, full_selection
@@ -53,7 +55,7 @@ class Placement:
         if roles is None and not layout.tp_only:
             raise PlanError(f"{layout.describe()}: placing tensors beyond tp needs their roles")
         self.layout, self.roles = layout, roles
-        self._rules: dict[tuple[int, tuple[bool, ...]], Rule] = {}
+        self._rules: dict[tuple[int, int], Rule] = {}
 
     # --- which rank holds what -----------------------------------------------------------------
 
@@ -62,32 +64,35 @@ class Placement:
 
     def experts(self, role: Role, c: Coords) -> tuple[int, int]:
         """The range of its expert axis a rank holds of a tensor with `role.experts` experts."""
-        n, lay = role.experts, self.layout
-        if role.ep and lay.ep > 1:
+        return self._experts(role.experts, role.ep, c)
+
+    def _experts(self, n: int, ep: bool, c: Coords) -> tuple[int, int]:
+        lay = self.layout
+        if ep and lay.ep > 1:
             a, b = chunk(n, lay.ep, c.ep)
             lo, hi = chunk(b - a, lay.efsdp, c.efsdp)
             return a + lo, a + hi
         return chunk(n, lay.fsdp, c.fsdp)
 
-    def holds(self, name: str, c: Coords) -> bool:
-        """Whether rank `c` holds (a part of) tensor `name`."""
-        if self.roles is None:
-            return True
-        role = self.roles[name]
-        if c.pp not in self.roles.stages(name, self.layout.pp):
-            return False
-        if role.expert is not None:
-            a, b = self.experts(role, c)
-            return a <= role.expert < b
-        return True
-
     def held(self, tensors: Mapping[str, GlobalTensor], c: Coords) -> Mapping[str, GlobalTensor]:
-        """The tensors of `tensors` rank `c` holds (a part of), in the same order and of the same kind."""
-        keep = [n for n in tensors if self.holds(n, c)]
+        """The tensors of `tensors` rank `c` holds (a part of), in the same order and of the same kind:
+        those of its pipeline stage, per-expert tensors only of the experts it holds."""
+        roles = self.roles
+        assert roles is not None and list(tensors) == roles.names
+        keep = roles.on_stage(c.pp, self.layout.pp)
+        per_expert = roles.expert >= 0
+        if per_expert.any():
+            lo = np.zeros(len(keep), np.int64)
+            hi = np.zeros(len(keep), np.int64)
+            for n, ep in {(int(n), bool(ep)) for n, ep in zip(roles.experts[per_expert], roles.ep[per_expert])}:
+                these = per_expert & (roles.experts == n) & (roles.ep == ep)
+                lo[these], hi[these] = self._experts(n, ep, c)
+            keep &= ~per_expert | ((lo <= roles.expert) & (roles.expert < hi))
+        names = [roles.names[i] for i in np.flatnonzero(keep)]
         infos = getattr(tensors, "infos", None)
         if infos is not None:
-            return WholeTensors({n: infos[n] for n in keep})
-        return {n: tensors[n] for n in keep}
+            return WholeTensors({n: infos[n] for n in names})
+        return {n: tensors[n] for n in names}
 
     def subset(self, c: Coords) -> tuple[int, ...]:
         """Ranks with the same subset key hold the same tensors (each its own part of them)."""
@@ -103,8 +108,8 @@ class Placement:
         whose roles differ are placed differently); the rule itself for TP-only layouts."""
         if self.roles is None:
             return rule
-        kind = self.roles[name].kind
-        if not any(kind):
+        kind = self.roles.kind(name)
+        if not kind:
             return rule
         key = (id(rule), kind)
         hit = self._rules.get(key)
@@ -154,11 +159,12 @@ class Placement:
             if layers < lay.pp:
                 raise PlanError(f"pp={lay.pp} is more pipeline stages than the {layers} layers of this model "
                                 f"(each stage holds at least one); pick pp from 1 to {max(layers, 1)}")
+            roles.on_stage(0, lay.pp)  # a layer past num_hidden_layers is an error now
         if lay.ep > 1:
             if not roles.has_ep_plan:
                 raise PlanError(f"ep={lay.ep}: this architecture declares no expert-parallel plan "
                                 "(base_model_ep_plan), so nothing is split by expert; use ep=1")
-            counts = sorted({r.experts for r in roles.roles.values() if r.ep})
+            counts = roles.ep_expert_counts()
             if not counts:
                 raise PlanError(f"ep={lay.ep}: no tensor of this checkpoint is one the expert-parallel plan splits; "
                                 "use ep=1")
@@ -166,8 +172,8 @@ class Placement:
             if bad:
                 good = [e for e in range(lay.tp, lay.fsdp * lay.tp + 1, lay.tp)
                         if (lay.fsdp * lay.tp) % e == 0 and all(n % e == 0 for n in counts)]
-                raise PlanError(f"ep={lay.ep} does not divide the {bad[0]} experts of a layer; pick ep in "
-                                f"{{{','.join(map(str, good))}}}")
+                choice = f"pick ep in {{{','.join(map(str, good))}}}" if good else "no ep above 1 divides them all: use ep=1"
+                raise PlanError(f"ep={lay.ep} does not divide the {bad[0]} experts of a layer; {choice}")
 
 
 def describe_layout(meta: dict[str, Any], where: str) -> Layout:

@@ -16,13 +16,14 @@ template computed once per name pattern (names that differ only in their numbers
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from reshard.errors import PlanError
 from reshard.rules.tp_plans import entry_for
@@ -31,6 +32,8 @@ from reshard.rules.tp_plans.derive import wildcard
 from reshard.rules.tp_plans.entry import PlanEntry
 
 ALL, FIRST, LAST, ENDS, LAYER = "all", "first", "last", "ends", "layer"
+_STAGES = (ALL, FIRST, LAST, ENDS, LAYER)
+_CODES = {s: i for i, s in enumerate(_STAGES)}
 EP_STYLES = frozenset({"grouped_gemm"})  # ep plan styles that cut a parameter along its expert axis
 _NUM = re.compile(r"(?<=\.)\d+(?=\.|$)")
 _SENTINEL = 987650
@@ -50,10 +53,7 @@ class Role:
     ep: bool = False
     buffer: bool = False
 
-    @property
-    def kind(self) -> tuple[bool, bool, bool, bool]:
-        """What the selection depends on: (per-expert slice, fused experts on disk, split by ep, buffer)."""
-        return self.expert is not None, self.experts > 0 and self.expert is None, self.ep, self.buffer
+
 
 
 DENSE = Role()
@@ -72,13 +72,31 @@ class _Template:
 
 
 class Roles:
-    """Every tensor's `Role` for one checkpoint, and what makes them (for the plan's identity)."""
+    """Every tensor's role for one checkpoint, held as columns (one entry per tensor, in `names` order),
+    and what makes them (`spec`, for the plan's identity). `roles[name]` is one tensor's `Role`."""
 
-    def __init__(self, roles: dict[str, Role], spec: dict[str, Any]) -> None:
-        self.roles, self.spec = roles, spec
+    def __init__(self, names: list[str], columns: dict[str, np.ndarray], spec: dict[str, Any]) -> None:
+        self.names, self.spec = names, spec
+        self.index = {n: i for i, n in enumerate(names)}
+        self.stage, self.layer = columns["stage"], columns["layer"]
+        self.experts, self.expert = columns["experts"], columns["expert"]
+        self.ep, self.buffer = columns["ep"], columns["buffer"]
+        # what a tensor's selection depends on, as bits: per-expert slice, fused experts, split by ep, buffer
+        self.kinds = ((self.expert >= 0).astype(np.int8) | ((self.experts > 0) & (self.expert < 0)) << 1
+                      | self.ep.astype(np.int8) << 2 | self.buffer.astype(np.int8) << 3)
+        self._stages: dict[int, np.ndarray] = {}
 
     def __getitem__(self, name: str) -> Role:
-        return self.roles.get(name, DENSE)
+        i = self.index.get(name)
+        if i is None:
+            return DENSE
+        expert = int(self.expert[i])
+        return Role(_STAGES[self.stage[i]], int(self.layer[i]), int(self.experts[i]), expert if expert >= 0 else None,
+                    bool(self.ep[i]), bool(self.buffer[i]))
+
+    def kind(self, name: str) -> int:
+        i = self.index.get(name)
+        return 0 if i is None else int(self.kinds[i])
 
     @property
     def num_layers(self) -> int:
@@ -86,16 +104,41 @@ class Roles:
 
     @property
     def has_experts(self) -> bool:
-        return any(r.experts for r in self.roles.values())
+        return bool((self.experts > 0).any())
 
     @property
     def has_ep_plan(self) -> bool:
         return bool(self.spec["ep_plan"])
 
+    def ep_expert_counts(self) -> list[int]:
+        return sorted({int(n) for n in self.experts[self.ep & (self.experts > 0)]})
+
     def digest(self) -> str:
-        blob = json.dumps([self.spec, sorted((n, *vars(r).values()) for n, r in self.roles.items())],
-                          separators=(",", ":"), default=str)
-        return hashlib.sha256(blob.encode()).hexdigest()
+        sha = hashlib.sha256(json.dumps(self.spec, separators=(",", ":")).encode())
+        sha.update("\0".join(self.names).encode())
+        for col in (self.stage, self.layer, self.experts, self.expert, self.ep, self.buffer):
+            sha.update(np.ascontiguousarray(col).tobytes())
+        return sha.hexdigest()
+
+    def on_stage(self, stage: int, pp: int) -> np.ndarray:
+        """Which tensors pipeline stage `stage` of `pp` holds (a mask in `names` order)."""
+        if pp == 1:
+            return np.ones(len(self.names), dtype=bool)
+        of_layer = self._stages.get(pp)
+        if of_layer is None:
+            if self.num_layers < pp:
+                raise PlanError(f"pp={pp} is more pipeline stages than the {self.num_layers} layers of this model")
+            starts = np.array([layer_range(s, self.num_layers, pp)[0] for s in range(pp)])
+            of_layer = self._stages[pp] = np.searchsorted(starts, self.layer, side="right") - 1
+            layered = self.stage == _CODES[LAYER]
+            if layered.any() and int(self.layer[layered].max()) >= self.num_layers:
+                raise PlanError(f"{self.names[int(np.argmax(layered & (self.layer >= self.num_layers)))]}: layer "
+                                f"{int(self.layer[layered].max())} is past the {self.num_layers} layers config.json "
+                                "declares (num_hidden_layers); fix config.json")
+        first, last = stage == 0, stage == pp - 1
+        code = self.stage
+        return ((code == _CODES[ALL]) | ((code == _CODES[FIRST]) & first) | ((code == _CODES[LAST]) & last)
+                | ((code == _CODES[ENDS]) & (first or last)) | ((code == _CODES[LAYER]) & (of_layer == stage)))
 
     @classmethod
     def derive(cls, entry: PlanEntry | None, config: Mapping[str, Any] | None,
@@ -109,31 +152,37 @@ class Roles:
         tied = bool(entry.config_value(dict(config), "tie_word_embeddings") if entry is not None
                     else config.get("tie_word_embeddings", False))
         buffers = frozenset(entry.buffers) if entry is not None else frozenset()
+        names = list(shapes)
+        n = len(names)
+        cols = {"stage": np.zeros(n, np.int8), "layer": np.full(n, -1, np.int64), "experts": np.zeros(n, np.int64),
+                "expert": np.full(n, -1, np.int64), "ep": np.zeros(n, bool), "buffer": np.zeros(n, bool)}
         templates: dict[str, _Template] = {}
-        found: dict[str, tuple[Role, tuple[int, ...]]] = {}
-        for name in shapes:
+        fused: dict[tuple[Any, ...], list[int]] = {}  # a fused expert parameter -> its per-expert tensors
+        for i, name in enumerate(names):
             key = _NUM.sub("N", name)
             t = templates.get(key)
             if t is None:
                 t = templates[key] = _template(name, key, prefix, convert, ep_plan, tied, buffers)
-            found[name] = _fill(t, name)
-        layers = _num_layers(entry, config, found)
-        roles = _finish(found, shapes)
+            numbers = [int(g) for g in t.regex.fullmatch(name).groups()]  # type: ignore[union-attr]
+            cols["stage"][i], cols["ep"][i], cols["buffer"][i] = _CODES[t.stage], t.ep, t.buffer
+            if t.layer_at is not None:
+                cols["layer"][i] = numbers[t.layer_at]
+            if t.expert_at is not None:
+                cols["expert"][i] = numbers.pop(t.expert_at)
+                fused.setdefault((key, *numbers), []).append(i)  # the template and every other number
+            elif t.ep and shapes[name]:
+                cols["experts"][i] = shapes[name][0]  # experts fused on disk: dim 0
+        for members in fused.values():
+            indices = sorted(int(cols["expert"][i]) for i in members)
+            count = indices[-1] + 1
+            if indices != list(range(count)):
+                raise PlanError(f"{names[members[0]]}: per-expert tensors of this kind have expert numbers "
+                                f"{_runs(indices)}, not 0..{count - 1}; the checkpoint is missing experts")
+            cols["experts"][members] = count
+        declared = entry.config_value(dict(config), "num_hidden_layers") if entry is not None else config.get("num_hidden_layers")
+        layers = declared if type(declared) is int and declared > 0 else int(cols["layer"].max(initial=-1)) + 1
         spec = {"prefix": prefix, "layers": layers, "tied": tied, "ep_plan": sorted(ep_plan.items())}
-        return cls(roles, spec)
-
-    def stages(self, name: str, pp: int) -> range:
-        """The pipeline stages (of `pp`) holding tensor `name`."""
-        role = self[name]
-        if role.stage == ALL or pp == 1:
-            return range(pp)
-        if role.stage == FIRST:
-            return range(1)
-        if role.stage == LAST:
-            return range(pp - 1, pp)
-        if role.stage == ENDS:
-            return range(pp) if pp <= 2 else range(0, pp, pp - 1)
-        return range(stage_of_layer(role.layer, self.num_layers, pp), stage_of_layer(role.layer, self.num_layers, pp) + 1)
+        return cls(names, cols, spec)
 
 
 def source_roles(config: Mapping[str, Any] | None, shapes: Mapping[str, tuple[int, ...]]) -> Roles:
@@ -150,15 +199,6 @@ def layer_range(stage: int, num_layers: int, pp: int) -> tuple[int, int]:
     per, rest = divmod(num_layers, pp)
     start = stage * per + min(stage, rest)
     return start, start + per + (stage < rest)
-
-
-def stage_of_layer(layer: int, num_layers: int, pp: int) -> int:
-    for s in range(pp):
-        a, b = layer_range(s, num_layers, pp)
-        if a <= layer < b:
-            return s
-    raise PlanError(f"layer {layer} is past the {num_layers} layers config.json declares (num_hidden_layers); "
-                    "fix config.json")
 
 
 def _template(name: str, key: str, prefix: str, convert: Conversion, ep_plan: dict[str, str], tied: bool,
@@ -184,49 +224,6 @@ def _template(name: str, key: str, prefix: str, convert: Conversion, ep_plan: di
     ep = ep_plan.get(local) in EP_STYLES or ep_plan.get(generic) in EP_STYLES
     regex = re.compile(re.escape(key).replace("N", r"(\d+)"))
     return _Template(regex, stage, layer_at, expert_at, ep, generic in buffers or local in buffers)
-
-
-def _fill(t: _Template, name: str) -> tuple[Role, tuple[int, ...]]:
-    m = t.regex.fullmatch(name)
-    numbers = tuple(int(g) for g in m.groups()) if m is not None else ()
-    layer = numbers[t.layer_at] if t.layer_at is not None else -1
-    if t.expert_at is None:
-        return Role(t.stage, layer, 0, None, t.ep, t.buffer), ()
-    # the fused parameter it is a slice of: the template and every number but the expert's
-    fused = (id(t), *numbers[: t.expert_at], *numbers[t.expert_at + 1 :])
-    return Role(t.stage, layer, 0, numbers[t.expert_at], t.ep, t.buffer), fused
-
-
-def _finish(found: dict[str, tuple[Role, tuple[int, ...]]], shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Role]:
-    """Roles with their expert-axis sizes: a fused parameter's per-expert slices counted (their indices
-    must be 0..E-1), a fused expert tensor on disk sized by its dim 0."""
-    groups: dict[tuple[Any, ...], list[str]] = {}
-    for name, (role, fused) in found.items():
-        if role.expert is not None:
-            groups.setdefault(fused, []).append(name)
-    out: dict[str, Role] = {}
-    for names in groups.values():
-        indices = sorted(found[n][0].expert for n in names)  # type: ignore[type-var]
-        count = indices[-1] + 1
-        if indices != list(range(count)):
-            raise PlanError(f"{names[0]}: per-expert tensors of this kind have expert numbers {_runs(indices)}, "
-                            f"not 0..{count - 1}; the checkpoint is missing experts")
-        for n in names:
-            out[n] = dataclasses.replace(found[n][0], experts=count)
-    for name, (role, _) in found.items():
-        if name in out:
-            continue
-        if role.ep and shapes[name]:
-            out[name] = dataclasses.replace(role, experts=shapes[name][0])
-        elif role != DENSE:
-            out[name] = role
-    return out
-
-
-def _num_layers(entry: PlanEntry | None, config: Mapping[str, Any], found: dict[str, tuple[Role, Any]]) -> int:
-    declared = entry.config_value(dict(config), "num_hidden_layers") if entry is not None else config.get("num_hidden_layers")
-    seen = max((r.layer + 1 for r, _ in found.values() if r.stage == LAYER), default=0)
-    return declared if type(declared) is int and declared > 0 else seen
 
 
 def _runs(indices: Iterable[int]) -> str:

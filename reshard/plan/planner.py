@@ -297,13 +297,15 @@ def make_planner(ckpt: Source, manifest: Manifest, layout: Layout | int, *,
 
 
 def make_plan(
-    ckpt: Source, manifest: Manifest, layout: Layout | int, *, ranks: Sequence[int] | None = None,
-    strict: bool = False, lazy: bool = False,
+    ckpt: Source, manifest: Manifest, layout: Layout | int | None = None, *, tp: int | None = None,
+    ranks: Sequence[int] | None = None, strict: bool = False, lazy: bool = False,
 ) -> Plan:
-    """Plan `ranks` (default all) of `layout` (a `Layout`, or an integer: tp alone); pure: reads no tensor
-    data. With `lazy`, each rank is planned when `plan.ranks[i]` is read, and not kept (for one pass over
-    the ranks with little memory)."""
-    layout = as_layout(layout)
+    """Plan `ranks` (default all) of `layout` (a `Layout`, or an integer: tp alone; `tp=` says the same);
+    pure: reads no tensor data. With `lazy`, each rank is planned when `plan.ranks[i]` is read, and not
+    kept (for one pass over the ranks with little memory)."""
+    if (layout is None) == (tp is None):
+        raise PlanError("give make_plan a layout (a Layout, or tp as an integer) or tp=, not both")
+    layout = as_layout(layout if layout is not None else tp)  # type: ignore[arg-type]
     for r in ranks or ():
         layout.check_rank(r)
     planner, plan = make_planner(ckpt, manifest, layout, strict=strict)

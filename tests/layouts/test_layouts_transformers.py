@@ -87,9 +87,11 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
             write_shards(src, make_plan(src, manifest, layout), out / mt / name, progress=False)
             jobs[layout.world].append({"name": f"{mt}/{name}", "ckpt": str(root / mt), "sizes": sizes,
                                        "out": str(out / mt / f"hf-{name}"), "url": srv.ckpt_url(mt)})
+        jobs[2].append({"name": "native/fsdp2", "ckpt": str(root / "llama"), "url": srv.ckpt_url("llama"),
+                        "native": True})
         found: dict[str, list[dict[str, Any]]] = {}
         for n, batch in jobs.items():
-            for rank, per_rank in enumerate(run_distributed(load_nd, n, batch, timeout=1200)):
+            for per_rank in run_distributed(load_nd, n, batch, timeout=1200):
                 for key, value in per_rank.items():
                     found.setdefault(key, []).append(value)
         results: dict[str, Any] = {}
@@ -217,3 +219,12 @@ def test_sixteen_ranks_served_as_written(world: dict[str, Any], tmp_path: Path) 
             twin = load_file(str(tmp_path / "written" / rank_file_name(layout.replicas(rank)[-1], 16)))
             mine = load_file(str(tmp_path / "written" / rank_file_name(rank, 16)))
             assert twin.keys() == mine.keys() and all(torch.equal(twin[k], mine[k]) for k in mine)
+
+
+def test_fill_model_into_torch_native_fsdp(world: dict[str, Any]) -> None:
+    """A model sharded by torch's own `fully_shard` (no transformers DistributedConfig) filled from the rank
+    files of `--fsdp 2`: its logits equal the unsharded model's."""
+    for rank, got in enumerate(world["found"]["native/fsdp2"]):
+        assert got["zeroed_diff"] > 1e-3 and got["diff"] <= 1e-5 and got["unsharded_diff"] <= 1e-5, (rank, got)
+        assert got["bytes"] == (world["out"] / "llama" / "fsdp2" / rank_file_name(rank, 2)).stat().st_size
+

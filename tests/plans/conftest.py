@@ -18,7 +18,7 @@ import torch
 from reshard import cli
 from reshard.io.sources import open_source
 from tests.support.dist import run_distributed
-from tests.support.hf_tp import dump_hf_tp
+from tests.support.nd import load_nd
 from tests.support.plan_archs import ARCHS, Arch, Built
 
 COVERAGE_ENV = "RESHARD_COVERAGE_OUT"  # where the session writes its per-architecture results (JSON)
@@ -60,11 +60,13 @@ def zoo(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Built]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         built = {a.model_type: _build(a, root) for a in ARCHS}
-    jobs = [(name, str(b.ckpt), str(b.ckpt.parent / "hf-tp2")) for name, b in built.items() if "build" not in b.errors]
-    errors = run_distributed(dump_hf_tp, 2, jobs, timeout=900)
-    for rank_errors in errors:
-        for name, message in rank_errors.items():
-            built[name].errors.setdefault("transformers TP load", message)
+    # transformers' own TP (what tp_plan="auto" does under torchrun), every architecture in one launch
+    jobs = [{"name": name, "ckpt": str(b.ckpt), "sizes": {"tp_size": 2, "tp_plan": "auto"},
+             "out": str(b.ckpt.parent / "hf-tp2")} for name, b in built.items() if "build" not in b.errors]
+    for per_rank in run_distributed(load_nd, 2, jobs, timeout=900):
+        for name, found in per_rank.items():
+            if "error" in found:
+                built[name].errors.setdefault("transformers TP load", found["error"])
     return built
 
 

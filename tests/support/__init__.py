@@ -10,7 +10,7 @@ conftest.py and data; fixtures several folders use are in tests/conftest.py.
     core              hand-built safetensors bytes, torch references of every split, in-process CLI runs
     plan_reference    a digest of everything a plan determines, and the reference planner it checks
     plan_archs        the architectures the plan tests build, and what they compare
-    hf_tp             transformers' own TP load, run on the ranks (the plan tests' reference)
+    nd                transformers' own TP and n-D loads on the ranks (the plan and layout tests' reference)
     trainer_archs     tiny checkpoints of the trainer's architectures, and rules to shard them
     trainer_checks    the trainer tests' jobs on the ranks, and torchrun training runs
     fill_checks       the fill_model tests' jobs on the ranks

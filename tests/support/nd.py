@@ -6,7 +6,8 @@ checkpoint) it loads the checkpoint as transformers does with that config, saves
 tensors (`DTensor.to_local()`, plain tensors as they are) to `{out}-rank{rank}.safetensors` and, with a
 URL, zeroes every parameter, refills the model with `reshard.fill_model` from the service and compares
 its logits with transformers' own load. It returns, per job, the error transformers raised (its first
-line), or what the fill found (logit difference before and after, bytes pulled).
+line), or what the fill found (logit difference before and after, bytes pulled). A `native` job
+parallelizes with torch's own FSDP2 instead (`_native_fsdp`).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ def _logits(model: Any) -> Any:
         return model(input_ids=torch.tensor(IDS)).logits.float().clone()
 
 
-def _fill_and_compare(model: Any, url: str) -> dict[str, Any]:
+def _fill_and_compare(model: Any, url: str, **fill: Any) -> dict[str, Any]:
     import torch
     from torch.distributed.tensor import DTensor
 
@@ -36,10 +37,31 @@ def _fill_and_compare(model: Any, url: str) -> dict[str, Any]:
         for p in model.parameters():
             (p.to_local() if isinstance(p, DTensor) else p).zero_()
     zeroed = float((_logits(model) - want).abs().max())
-    report = reshard.fill_model(model, url)
+    report = reshard.fill_model(model, url, **fill)
     got = _logits(model)
     return {"zeroed_diff": zeroed, "diff": float((got - want).abs().max()), "bytes": report.bytes,
             "layout": report.layout.describe() if report.layout is not None else ""}
+
+
+def _native_fsdp(job: dict[str, Any], world_size: int) -> dict[str, Any]:
+    """A model parallelized by torch alone: FSDP2's `fully_shard` on every decoder layer and the root over a
+    1-D mesh (no DistributedConfig); refilled with `fill_model(..., layout=Layout(fsdp=world_size))`."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoModelForCausalLM
+
+    import reshard
+
+    model = AutoModelForCausalLM.from_pretrained(job["ckpt"], dtype=torch.float32)
+    want = _logits(model)
+    mesh = init_device_mesh("cpu", (world_size,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    found = _fill_and_compare(model, job["url"], layout=reshard.Layout(fsdp=world_size))
+    found["unsharded_diff"] = float((_logits(model) - want).abs().max())
+    return found
 
 
 def load_nd(rank: int, world_size: int, jobs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -57,6 +79,9 @@ def load_nd(rank: int, world_size: int, jobs: list[dict[str, Any]]) -> dict[str,
     transformers.utils.logging.disable_progress_bar()
     found: dict[str, Any] = {}
     for job in jobs:
+        if job.get("native"):
+            found[job["name"]] = _native_fsdp(job, world_size)
+            continue
         try:
             config = DistributedConfig(**job["sizes"])
             model = AutoModelForCausalLM.from_pretrained(job["ckpt"], distributed_config=config, dtype=torch.float32)
