@@ -19,6 +19,7 @@ says exactly which part it holds, whatever the layout.
 from __future__ import annotations
 
 import copy
+import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -146,7 +147,10 @@ class Placement:
         lay = self.layout
         meta = {"format": FORMAT, "tp": str(lay.tp), "rank": str(rank)}
         if not lay.tp_only:
+            c = lay.coords(rank)
             meta["layout"] = lay.to_json()
+            meta["coords"] = json.dumps({k: getattr(c, k) for k in ("pp", "dp_replicate", "fsdp", "tp", "efsdp", "ep")},
+                                        separators=(",", ":"))
         return meta
 
     def check(self) -> None:

@@ -126,6 +126,9 @@ def test_every_tensor_is_its_recorded_selection(moe: Path, tmp_path: Path, layou
         with safe_open(str(tmp_path / rank_file_name(rank, layout.world)), "pt") as f:
             meta = f.metadata()
             assert json.loads(meta["layout"]) == {k: v for k, v in layout.sizes().items() if v != 1 or k == "tp"}
+            c = layout.coords(rank)
+            assert json.loads(meta["coords"]) == {"pp": c.pp, "dp_replicate": c.dp_replicate, "fsdp": c.fsdp,
+                                                  "tp": c.tp, "efsdp": c.efsdp, "ep": c.ep}
             desc = json.loads(meta["tensors"])
             for name in f.keys():
                 index = tuple(torch.cat([torch.arange(a, b) for a, b in dim]) if dim else torch.arange(0)
