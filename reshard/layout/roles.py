@@ -54,8 +54,6 @@ class Role:
     buffer: bool = False
 
 
-
-
 DENSE = Role()
 
 
@@ -159,7 +157,7 @@ class Roles:
         templates: dict[str, _Template] = {}
         fused: dict[tuple[Any, ...], list[int]] = {}  # a fused expert parameter -> its per-expert tensors
         for i, name in enumerate(names):
-            key = _NUM.sub("N", name)
+            key = _NUM.sub("\0", name)  # the name's pattern: its numbers left out
             t = templates.get(key)
             if t is None:
                 t = templates[key] = _template(name, key, prefix, convert, ep_plan, tied, buffers)
@@ -222,7 +220,7 @@ def _template(name: str, key: str, prefix: str, convert: Conversion, ep_plan: di
     generic = wildcard(_NUM.sub("0", conv.name))
     local = generic[len(pre):] if generic.startswith(pre) else generic
     ep = ep_plan.get(local) in EP_STYLES or ep_plan.get(generic) in EP_STYLES
-    regex = re.compile(re.escape(key).replace("N", r"(\d+)"))
+    regex = re.compile(r"(\d+)".join(map(re.escape, key.split("\0"))))
     return _Template(regex, stage, layer_at, expert_at, ep, generic in buffers or local in buffers)
 
 

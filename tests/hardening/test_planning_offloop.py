@@ -96,12 +96,16 @@ def test_a_backtracking_rules_regex_answers_at_once(srv: LiveServer) -> None:
 def test_healthz_answers_while_two_slow_plans_run(srv: LiveServer, root: Path) -> None:
     url = f"{srv.url}/v1/checkpoints/moe/plan?tp=8"
     with ThreadPoolExecutor(2) as pool, httpx.Client(timeout=300) as c:
+        t0 = time.monotonic()
         futs = [pool.submit(c.get, url) for _ in range(2)]
         time.sleep(0.3)
         took = _healthz_while(srv, futs)
         answers = [f.result() for f in futs]
+        planning = time.monotonic() - t0
     assert len(took) >= 5, f"the plans took too little time to test anything: {took}"
-    assert max(took) < 1.0, took
+    # an event loop blocked by planning answers only when a plan is done (took ~ planning); one that is not
+    # answers in a GIL slice or two: under 1 s on a quiet machine, a small share of the planning on a loaded one
+    assert max(took) < max(1.0, planning / 4), (took, planning)
     ckpt, manifest = open_source(root / "moe")
     want = make_plan(ckpt, manifest, 8, ranks=[0, 7])
     expect = plan_to_json(want)

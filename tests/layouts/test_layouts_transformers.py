@@ -238,6 +238,6 @@ def test_cli_pull_of_a_layout(world: dict[str, Any], tmp_path: Path, capsys: pyt
     assert main([*args, "--no-progress"]) == 0
     assert capsys.readouterr().err.startswith("pulled rank 3 of fsdp=2 x tp=2 x ep=4")
     assert dest.read_bytes() == (world["out"] / "mixtral" / "ep4_tp2_fsdp2" / rank_file_name(3, 4)).read_bytes()
-    assert main([*args[:4], "4", *args[5:], "--no-progress"]) == 1  # rank 4 of a world of 4
+    assert main([*args[:3], "4", *args[4:], "--no-progress"]) == 1  # rank 4 of a world of 4
     assert "rank=4 is out of range for fsdp=2 x tp=2 x ep=4 (0..3)" in capsys.readouterr().err
 

@@ -133,7 +133,7 @@ def test_shards_of_another_tp_give_a_clear_error(tp_runs: Any, arch_work: Path, 
     for res in tp_runs(tp):
         kind, message = res["errors"][shard_dir]
         assert kind == "CheckpointError"
-        assert f"tp={tp}" in message and f"tp=[{have}]" in message, message
+        assert f"tp={tp}" in message and f"worlds of [{have}] ranks" in message, message
         assert f"reshard write {shard_dir} --tp {tp}" in message, message
 
 
