@@ -182,6 +182,28 @@ def copy_atomic(src: Path, dst: Path) -> None:
         shutil.copyfileobj(g, f)
 
 
+_SYNC_FILE_RANGE_WRITE = 2
+_sync_file_range: Any = None
+
+
+def start_writeback(fd: int, offset: int, n: int) -> None:
+    """Have the kernel start writing bytes [offset, offset+n) of `fd` to its disk now, without waiting
+    (Linux `sync_file_range(SYNC_FILE_RANGE_WRITE)`; elsewhere nothing). Durability still comes from
+    the fsync at the end, which then finds most pages written: the disk works while the writer copies,
+    instead of after it (`cp -r && sync` leaves it all to the sync)."""
+    global _sync_file_range
+    if _sync_file_range is None:
+        _sync_file_range = False
+        with contextlib.suppress(OSError, AttributeError):
+            import ctypes
+
+            f = ctypes.CDLL(None, use_errno=True).sync_file_range
+            f.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+            _sync_file_range = f
+    if _sync_file_range:
+        _sync_file_range(fd, offset, n, _SYNC_FILE_RANGE_WRITE)  # a hint: its errors surface at the fsync
+
+
 def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
