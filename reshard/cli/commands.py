@@ -55,9 +55,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def cmd_write(args: argparse.Namespace) -> int:
     write_shards = write_shards_to_store if is_url(args.out) else write_to_dir  # a store prefix: multipart uploads
-    MAPS.enable()  # row-split runs gathered, and copied ranges hashed, from leased mappings of the sources
     ckpt, plan = _plan(args)
-    record = write_shards(ckpt, plan, args.out, progress=args.progress)
+    with MAPS.enabled_while():  # row-split runs gathered, and copied ranges hashed, from leased mappings
+        record = write_shards(ckpt, plan, args.out, progress=args.progress)
     total = sum(f["size"] for f in record["files"].values())
     where = args.out if is_url(args.out) else Path(args.out)
     done = ", ".join(f"{rank_list(record[k])} {k}" for k in ("kept", "written") if record.get(k))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import json
 import os
 import shutil
@@ -202,6 +203,35 @@ def start_writeback(fd: int, offset: int, n: int) -> None:
             _sync_file_range = f
     if _sync_file_range:
         _sync_file_range(fd, offset, n, _SYNC_FILE_RANGE_WRITE)  # a hint: its errors surface at the fsync
+
+
+def delete_oldest(files: list[tuple[float, int, str]], max_bytes: int) -> int:
+    """Delete the least recently used of `files` ((mtime, size, path) each) until their sizes add up
+    to at most `max_bytes` (a file already gone counts as deleted); the bytes left."""
+    total = sum(size for _, size, _ in files)
+    for _, size, path in sorted(files):
+        if total <= max_bytes:
+            break
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        total -= size
+    return total
+
+
+@contextlib.contextmanager
+def flocked(path: Path) -> Iterator[bool]:
+    """An exclusive `flock` on `path` (made if missing) for the block, released if the holder dies;
+    yields False (and holds nothing) where the file cannot be opened."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:
+        yield False
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield True
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def fsync_dir(path: Path) -> None:

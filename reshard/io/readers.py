@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from reshard.errors import SourceChangedError
+from reshard.io import store_cache
 from reshard.io.mapped import MAPS
 from reshard.io.stores import is_url, store_for
 from reshard.plan.reads import piece_reads
@@ -119,6 +120,14 @@ class RemoteReader:
         self.prefetcher: Prefetcher | None = None
 
     def fetch(self, start: int, end: int) -> memoryview:
+        """Bytes [start, end) of the object: through the node's block cache where one is on
+        (`reshard.io.store_cache`: the service turns it on), else one conditional GET."""
+        cache = store_cache.current()
+        if cache is not None:
+            return cache.read(self._get, self.path, self.version, self.size, start, end)
+        return self._get(start, end)
+
+    def _get(self, start: int, end: int) -> memoryview:
         data, _ = self.store.get(self.key, start, end, version=self.version)
         if len(data) != end - start:
             raise SourceChangedError(f"{self.path}: {len(data)} bytes at {start}, planned {end - start}; re-plan")
