@@ -38,10 +38,10 @@ TEST_KEY_ID, TEST_SECRET = "AKIARESHARDTEST00001", "reshard-test-secret-key-0000
 
 
 class _Counter:
-    def __init__(self, fail_every: int = 0) -> None:
+    def __init__(self, fail_every: int = 0, one_range: bool = False) -> None:
         self.lock = threading.Lock()
         self.bytes = self.requests = self.failed = 0
-        self.fail_every = fail_every
+        self.fail_every, self.one_range = fail_every, one_range
 
     def start(self) -> bool:
         """Count a request; True if it is to be answered 503 (every `fail_every`-th: a flaky server)."""
@@ -95,6 +95,8 @@ def counting_asgi(app: Any, counter: _Counter) -> Any:
             await send({"type": "http.response.start", "status": 503, "headers": [(b"content-length", b"0")]})
             await send({"type": "http.response.body", "body": b""})
             return
+        if scope["type"] == "http" and counter.one_range:  # as servers that answer several ranges with the whole file
+            scope = {**scope, "headers": [(k, v) for k, v in scope["headers"] if not (k == b"range" and b"," in v)]}
 
         async def counted(message: dict[str, Any]) -> None:
             if message["type"] == "http.response.body":
@@ -117,13 +119,13 @@ def _serve_s3(port: int) -> None:
     make_server("127.0.0.1", port, app, threaded=True, request_handler=MotoRequestHandler).serve_forever()
 
 
-def _serve_http(port: int, root: str, fail_every: int) -> None:
+def _serve_http(port: int, root: str, fail_every: int, one_range: bool) -> None:
     import uvicorn
 
     os.environ["BENCH_FILE_ROOT"] = root
     from bench.fileserver import app
 
-    uvicorn.run(counting_asgi(app, _Counter(fail_every)), host="127.0.0.1", port=port, log_level="warning", access_log=False)
+    uvicorn.run(counting_asgi(app, _Counter(fail_every, one_range)), host="127.0.0.1", port=port, log_level="warning", access_log=False)
 
 
 @dataclass
@@ -171,10 +173,11 @@ def s3_server(*, authenticate: bool = False) -> Iterator[StoreServer]:
 
 
 @contextlib.contextmanager
-def http_server(root: Path, *, fail_every: int = 0) -> Iterator[StoreServer]:
-    """`bench.fileserver` over `root`: GET /files/PATH with Range, ETag and Last-Modified; with
-    `fail_every`, every N-th request is answered 503 instead."""
-    with _spawn(["http", "--root", str(root), "--fail-every", str(fail_every)]) as srv:
+def http_server(root: Path, *, fail_every: int = 0, one_range: bool = False) -> Iterator[StoreServer]:
+    """`bench.fileserver` over `root`: GET /files/PATH with Range (one range or several: a
+    multipart/byteranges answer), ETag and Last-Modified; with `fail_every`, every N-th request is
+    answered 503 instead; with `one_range`, a request for several ranges gets the whole file (200)."""
+    with _spawn(["http", "--root", str(root), "--fail-every", str(fail_every), *(["--one-range"] if one_range else [])]) as srv:
         yield srv
 
 
@@ -184,12 +187,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--root", default=".")
     p.add_argument("--fail-every", type=int, default=0)
+    p.add_argument("--one-range", action="store_true")
     args = p.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     if args.kind == "s3":
         _serve_s3(args.port)
     else:
-        _serve_http(args.port, args.root, args.fail_every)
+        _serve_http(args.port, args.root, args.fail_every, args.one_range)
 
 
 if __name__ == "__main__":

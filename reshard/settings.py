@@ -25,6 +25,17 @@ class LibrarySettings(BaseSettings):
     store_concurrency: int = Field(16, ge=1, description="store requests in flight, all streams of a process together")
     store_max_gap: int = Field(256 << 10, ge=0, description="the longest gap between two ranges fetched as one request")
     store_waste: float = Field(0.04, ge=0, description="gap bytes fetched to save requests, as a share of the bytes read")
+    store_multirange: bool = Field(True, description="ask an HTTP(S) store that answers several byte ranges in one "
+                                   "request (multipart/byteranges: nginx, Caddy) for a row-split tensor's slices "
+                                   "exactly, not for the row blocks that cover them")
+    store_range_gap: int = Field(256, ge=0, description="in a request of several ranges, the longest gap "
+                                 "between two ranges fetched as one (a part costs ~100 bytes of headers)")
+    store_ranges: int = Field(100, ge=2, le=1024, description="the most byte ranges asked for in one request "
+                              "(halved for a server that answers fewer: Starlette takes 100, Apache 200)")
+    store_row_blocks: bool = Field(True, description="where a store answers one range per request (S3, GCS): fetch "
+                                   "a row-split tensor's rows as the row block that covers them (one request for "
+                                   "many rows, up to tp times the bytes); false: each row's slice on its own, "
+                                   "merged across gaps as RESHARD_STORE_MAX_GAP and RESHARD_STORE_WASTE allow")
     store_retries: int = Field(5, ge=0, description="retries of a failed store request")
     store_timeout: float = Field(60.0, gt=0, description="seconds a store request may take")
 

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from reshard.errors import PlanError
+from reshard.io.mapped import MAPS
 from reshard.io.progress import add_progress_flags, human
 from reshard.io.sources import open_source
 from reshard.io.store_writer import write_shards_to_store
@@ -57,7 +58,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def cmd_write(args: argparse.Namespace) -> int:
     write_shards = write_shards_to_store if is_url(args.out) else write_to_dir  # a store prefix: multipart uploads
     ckpt, plan = _plan(args)
-    record = write_shards(ckpt, plan, args.out, progress=args.progress)
+    with MAPS.enabled_while():  # row-split runs gathered, and copied ranges hashed, from leased mappings
+        record = write_shards(ckpt, plan, args.out, progress=args.progress)
     total = sum(f["size"] for f in record["files"].values())
     where = args.out if is_url(args.out) else Path(args.out)
     done = ", ".join(f"{rank_list(record[k])} {k}" for k in ("kept", "written") if record.get(k))

@@ -21,7 +21,8 @@ def _settings(args: argparse.Namespace) -> Any:
         "root": args.root, "host": args.host, "port": args.port, "token": args.token, "out": args.out,
         "max_upload_bytes": args.max_upload_bytes, "chunk_size": args.chunk_size, "log_level": args.log_level,
         "public_docs": args.public_docs, "workers": args.workers, "zero_copy": args.zero_copy,
-        "gather_cache": args.gather_cache, "max_header_bytes": args.max_header_bytes,
+        "gather_cache": args.gather_cache, "store_cache": args.store_cache, "store_cache_dir": args.store_cache_dir,
+        "max_header_bytes": args.max_header_bytes,
         "max_headers": args.max_headers, "max_url_bytes": args.max_url_bytes,
         "keep_alive_timeout": args.keep_alive_timeout,
     }
@@ -70,6 +71,11 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--gather-cache", type=int, metavar="BYTES",
                    help="keep copies of the row-split pieces of shards pulled more than once, up to BYTES in "
                         "ROOT/.reshard/gathered or RESHARD_GATHER_DIR (default 8 GiB; 0: off; env RESHARD_GATHER_CACHE)")
+    p.add_argument("--store-cache", type=int, metavar="BYTES",
+                   help="for a root in a store: keep up to BYTES of its objects' blocks on local disk, each fetched "
+                        "once for every rank and layout (default 16 GiB; 0: off; env RESHARD_STORE_CACHE)")
+    p.add_argument("--store-cache-dir", metavar="DIR", help="where those blocks go (default ~/.cache/reshard/serve-HASH/"
+                   "store-cache; env RESHARD_STORE_CACHE_DIR)")
     p.add_argument("--max-header-bytes", type=int, metavar="BYTES",
                    help="largest request header fields, in all (default 64 KiB; 431 above it)")
     p.add_argument("--max-headers", type=int, metavar="N", help="most header fields of a request (default 100; 431 above)")

@@ -1,7 +1,8 @@
 """A rank's shard as a byte stream: from a shard directory, one rank file, or the service's URL.
 
-`open_rank_stream` is how `fill_model` and the trainer reach their bytes; a URL is pulled with the
-service client (only this rank's shard, streamed), a directory is read in chunks.
+`open_rank_stream` is how `fill_model` and the trainer reach their bytes; a URL is pulled from the
+service (only this rank's shard), a directory's rank file is read; both straight into the caller's
+buffers (`reshard.io.body`).
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from reshard.errors import CheckpointError
-from reshard.fill.stream import file_chunks
 from reshard.format.checkpoint import CONFIG_NAME
+from reshard.io.body import ShardBody, file_body
 from reshard.io.client import ShardClient
 from reshard.io.shards import RANK_FILE
 from reshard.io.stores import is_url
@@ -32,12 +33,14 @@ def open_rank_stream(
     `need_config` is false."""
     layout = layout if isinstance(layout, Layout) else Layout(tp=layout)
     if is_url(source):
-        client = ShardClient(str(source), token=token)
-        config = client.info().get("config")
-        if not isinstance(config, dict):
-            config = _no_config(f"{source}: the checkpoint has no config.json", need_config)
-        ask = layout.tp if layout.tp_only else layout
-        return config, iter(client.iter_shard(rank, ask)), None, f"{source} rank {rank}/{layout.world}"
+        config = None
+        if need_config:
+            with ShardClient(str(source), token=token) as client:
+                config = client.info().get("config")
+            if not isinstance(config, dict):
+                config = _no_config(f"{source}: the checkpoint has no config.json", need_config)
+        body = ShardBody(str(source), rank, layout.tp if layout.tp_only else layout, token=token)
+        return config, body, None, body.name
     path = Path(source)
     root = path.parent if path.is_file() else path
     if not path.is_file():
@@ -54,7 +57,7 @@ def open_rank_stream(
     sha = None
     if (root / MANIFEST_NAME).is_file():
         sha = json.loads((root / MANIFEST_NAME).read_text()).get("files", {}).get(path.name, {}).get("sha256")
-    return config, file_chunks(path), sha, str(path)
+    return config, file_body(path, sha256=sha), sha, str(path)
 
 
 def _no_config(what: str, need_config: bool) -> None:

@@ -3,6 +3,11 @@
 The stream is the rank file itself (from disk or from the service): header first, then each tensor's
 bytes in offset order. Bytes go straight into the parameter's storage when dtype and device allow;
 otherwise through one tensor-sized buffer. No second copy of the shard ever exists.
+
+A body that reads into the caller's memory (`reshard.io.body`: a rank file, or the service's answer)
+is read into each parameter's own storage (`preadv`/`recv_into`: the kernel's one copy), and the
+sha256 follows in a thread, over the bytes already in place (one pass; the reader never waits for it).
+Chunk iterables (any other source) are copied in as they come.
 """
 
 from __future__ import annotations
@@ -11,7 +16,6 @@ import hashlib
 import json
 import struct
 from collections.abc import Iterable, Iterator
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -19,6 +23,8 @@ import torch
 from reshard.errors import CheckpointError, HeaderError, IntegrityError, PlanError, ReshardError
 from reshard.format.checkpoint import MAX_HEADER_BYTES, parse_header
 from reshard.format.tensors import TORCH_DTYPES
+from reshard.io.body import RankBytes
+from reshard.io.hashing import BackgroundHash
 from reshard.layout.mesh import Layout
 from reshard.layout.placement import describe_layout
 from reshard.rules.quant.dequant import Dequantizer
@@ -63,8 +69,11 @@ def _data_end(raw: bytes) -> int:
         return 0  # parse_header will say what is wrong
 
 
-def read_header_from(chunks: Iterator[memoryview | bytes], source: str) -> tuple[RankHeader, bytearray]:
-    """Take bytes from `chunks` until the header is complete; return it and the bytes after it."""
+def read_header_from(chunks: Iterator[memoryview | bytes] | RankBytes, source: str) -> tuple[RankHeader, bytearray]:
+    """Take bytes from `chunks` until the header is complete; return it and the bytes after it (none
+    from a body that reads into memory: the rest stays in it)."""
+    if hasattr(chunks, "readinto"):
+        return _read_header(chunks, source), bytearray()
     buf = bytearray()
     need = 8
     while len(buf) < need:
@@ -78,6 +87,21 @@ def read_header_from(chunks: Iterator[memoryview | bytes], source: str) -> tuple
                 raise HeaderError(f"{source}: header length {n} exceeds the {MAX_HEADER_BYTES}-byte limit")
             need = 8 + n
     return RankHeader(bytes(buf[:need]), source), buf[need:]
+
+
+def _read_header(body: RankBytes, source: str) -> RankHeader:
+    head = bytearray(8)
+    body.readinto(memoryview(head))
+    (n,) = struct.unpack("<Q", head)
+    if n > MAX_HEADER_BYTES:
+        raise HeaderError(f"{source}: header length {n} exceeds the {MAX_HEADER_BYTES}-byte limit")
+    head += bytes(n)
+    body.readinto(memoryview(head)[8:])
+    header = RankHeader(bytes(head), source)
+    if header.total != body.size:
+        raise IntegrityError(f"{source}: {body.size} bytes, but its header describes {header.total}: the rank file "
+                             "is truncated or corrupt, and nothing was read from it; write or pull it again")
+    return header
 
 
 def byte_view(t: torch.Tensor) -> memoryview:
@@ -104,7 +128,6 @@ def fill_parameters(
     if missing or extra:
         raise PlanError(f"{header.source}: shard and model disagree: the shard lacks {missing[:3]}, "
                         f"the model lacks {extra[:3]}")
-    sha = hashlib.sha256(header.raw) if sha256 else None
     plans = []
     for name, e in order:
         src_dtype = TORCH_DTYPES[e["dtype"]]
@@ -124,14 +147,51 @@ def fill_parameters(
     done: list[str] = []  # names fully written; `partial` the one whose bytes began to land
     partial: list[str] = []
     try:
-        _copy(header, plans, chunks(), sha, quant, targets, done, partial)
-        if sha is not None and sha.hexdigest() != sha256:
-            raise IntegrityError(f"{header.source}: sha256 {sha.hexdigest()} does not match the recorded {sha256}")
+        if hasattr(rest, "readinto"):
+            _read_in(header, plans, rest, quant, targets, done, partial, sha256=sha256)
+        else:
+            sha = hashlib.sha256(header.raw) if sha256 else None
+            _copy(header, plans, chunks(), sha, quant, targets, done, partial)
+            _verify(header, sha.hexdigest() if sha is not None else None, sha256)
     except ReshardError as e:  # a truncated or corrupt stream, or a failed download: say what was written
         half = f" and {partial[0]} in part" if partial and partial[0] not in done else ""
         raise type(e)(f"{e}; {len(done)} of {len(plans)} tensors had been filled{half}, so the parameters hold an "
                       "incomplete or unverified shard: fill them again before use") from None
     header.tensors = quant.dequantized()  # what the model now holds, for `save_rank_shard`
+
+
+def _verify(header: RankHeader, got: str | None, want: str | None) -> None:
+    if got is not None and want is not None and got != want:
+        raise IntegrityError(f"{header.source}: sha256 {got} does not match the recorded {want}")
+
+
+PIECE = 16 << 20  # bytes read into a parameter before they are handed to the hash
+
+
+def _read_in(header: RankHeader, plans: list[tuple[str, torch.Tensor, torch.dtype, bool]], body: RankBytes,
+             quant: Dequantizer, targets: dict[str, torch.Tensor], done: list[str], partial: list[str], *,
+             sha256: str | None) -> None:
+    """Each tensor's bytes read by `body` straight into its target (or its staging tensor, where a
+    cast or a dequantization follows), hashed behind the reader from where they landed."""
+    check = sha256 is not None or body.verify
+    with BackgroundHash(hashlib.sha256() if check else None, backlog=None) as hasher:
+        hasher.update(header.raw)
+        for name, t, src_dtype, direct in plans:
+            staging = t if direct else torch.empty(t.shape, dtype=src_dtype)
+            dst = byte_view(staging) if staging.numel() else memoryview(bytearray())
+            if direct:
+                partial[:] = [name]
+            for at in range(0, len(dst), PIECE):
+                piece = dst[at : at + PIECE]
+                body.readinto(piece)
+                hasher.update(piece)
+            if not direct:
+                hasher.wait()  # hashed before the staging tensor is released
+                for target, value in quant.feed(name, staging):
+                    into(targets[target], value, name=target)
+            done.append(name)
+        if check:
+            _verify(header, hasher.hexdigest(), sha256 or body.expected_sha256())
 
 
 def _copy(header: RankHeader, plans: list[tuple[str, torch.Tensor, torch.dtype, bool]], it: Iterator[memoryview],
@@ -169,12 +229,3 @@ def into(target: torch.Tensor, staged: torch.Tensor, *, name: str) -> None:
     dtype cast and device copy. A dequantizing kind hooks in here."""
     with torch.no_grad():
         target.copy_(staged)
-
-
-def file_chunks(path: Path, chunk: int = 8 << 20) -> Iterator[bytes]:
-    """A file's bytes; the first read is small, so taking the header off it copies little."""
-    with open(path, "rb") as f:
-        size = 1 << 20
-        while data := f.read(size):
-            yield data
-            size = chunk

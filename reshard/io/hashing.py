@@ -12,14 +12,16 @@ from typing import Any
 class BackgroundHash:
     """Feeds a hashlib object from one worker thread (hashlib releases the GIL on large updates), so
     hashing overlaps receiving. Pieces are immutable `bytes`, batched to ~4 MiB; at most a few batches
-    are in flight. A no-op when `sha` is None. Leaving the `with` block waits for the last batch."""
+    are in flight. With `backlog=None` the pieces are views of memory that stays as it is (parameters
+    already filled) and any number may wait: the producer never waits for the hash. A no-op when `sha`
+    is None. Leaving the `with` block waits for the last batch."""
 
     _BATCH = 4 << 20
 
-    def __init__(self, sha: Any) -> None:
-        self.sha, self.active = sha, sha is not None
+    def __init__(self, sha: Any, *, backlog: int | None = 3) -> None:
+        self.sha, self.active, self.backlog = sha, sha is not None, backlog
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="reshard-sha") if self.active else None
-        self._batch: list[bytes] = []
+        self._batch: list[bytes | memoryview] = []
         self._bytes = 0
         self._pending: deque[Future[None]] = deque()
 
@@ -32,18 +34,23 @@ class BackgroundHash:
             self._drain(0)
             self._pool.shutdown()
 
-    def update(self, piece: bytes) -> None:
+    def update(self, piece: bytes | memoryview) -> None:
         if self._pool is None:
             return
         self._batch.append(piece)
         self._bytes += len(piece)
         if self._bytes >= self._BATCH:
             self._flush()
-            self._drain(3)
+            if self.backlog is not None:
+                self._drain(self.backlog)
 
-    def hexdigest(self) -> str:
+    def wait(self) -> None:
+        """Return once every piece given so far is hashed (its memory may then change)."""
         self._flush()
         self._drain(0)
+
+    def hexdigest(self) -> str:
+        self.wait()
         return self.sha.hexdigest()
 
     def _flush(self) -> None:
@@ -55,7 +62,7 @@ class BackgroundHash:
         while len(self._pending) > keep:
             self._pending.popleft().result()
 
-    def _hash(self, batch: list[bytes]) -> None:
+    def _hash(self, batch: list[bytes | memoryview]) -> None:
         for piece in batch:
             self.sha.update(piece)
 

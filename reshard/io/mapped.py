@@ -30,6 +30,7 @@ import select
 import signal
 import threading
 from collections import OrderedDict
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from reshard.plan.reads import runs_array
@@ -63,6 +64,7 @@ class MappedFiles:
 
     def __init__(self) -> None:
         self.enabled = False
+        self._keeping = False  # the SIGIO handler and the keeper thread are installed (once per process)
         self._lock = threading.Lock()
         self._maps: OrderedDict[tuple[int, int, int, int], _Mapping] = OrderedDict()
         self._mapped = 0
@@ -71,6 +73,9 @@ class MappedFiles:
         """Start mapping (installs the SIGIO handler: main thread only); whether it is on."""
         if self.enabled or threading.current_thread() is not threading.main_thread():
             return self.enabled
+        if self._keeping:
+            self.enabled = True
+            return True
         wake_r, wake_w = os.pipe()
         os.set_blocking(wake_w, False)
         previous = signal.getsignal(signal.SIGIO)
@@ -83,8 +88,21 @@ class MappedFiles:
 
         signal.signal(signal.SIGIO, on_sigio)
         threading.Thread(target=self._keep, args=(wake_r,), name="reshard-leases", daemon=True).start()
-        self.enabled = True
+        self.enabled = self._keeping = True
         return True
+
+    @contextlib.contextmanager
+    def enabled_while(self) -> Iterator[bool]:
+        """Mapping on for the block (one command: `reshard write`), then as it was before (what the block
+        mapped is unmapped if it was off)."""
+        was = self.enabled
+        on = self.enable()
+        try:
+            yield on
+        finally:
+            if not was:
+                self.enabled = False
+                self.clear()
 
     def gather(self, fd: int, ident: tuple[int, int, int, int], out: np.ndarray, offset: int, run: int,
                stride: int, count: int) -> bool:
@@ -102,6 +120,30 @@ class MappedFiles:
             return True
         finally:
             self._release(m)
+
+    def hash_range(self, fd: int, sha: Any, offset: int, n: int, *, block: int) -> int:
+        """Feed `sha` bytes [offset, offset+n) of the file open on `fd` from its leased mapping, `block`
+        bytes at a time (the lease can be broken between blocks); the number of bytes fed (fewer than n
+        where the file cannot be mapped now: read the rest)."""
+        if not self.enabled:
+            return 0
+        st = os.fstat(fd)
+        key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        done = 0
+        while done < n:
+            m = self._acquire(fd, key)
+            if m is None:
+                return done
+            try:
+                if offset + n > m.size:
+                    return done  # not in the file as mapped: let the read report it
+                assert m.array is not None
+                k = min(block, n - done)
+                sha.update(m.array[offset + done : offset + done + k])
+                done += k
+            finally:
+                self._release(m)
+        return done
 
     def _acquire(self, fd: int, key: tuple[int, int, int, int]) -> _Mapping | None:
         with self._lock:

@@ -3,12 +3,21 @@
 `open_reader(path, key)` gives a `LocalReader` (the fd also serves kernel copies) or a
 `RemoteReader`. Remote bytes are fetched ahead by a `Prefetcher`: the stream's output is cut into
 windows; for each window the ranges the stream reads are listed (`reshard.plan.reads.piece_reads`, the
-same the local stream preads: a row-split tensor's short rows as row blocks, long rows as they are),
-ranges of one file that touch are merged, and so are ranges a short gap apart while the gaps stay
-within `store_waste` of the bytes read (shortest gaps first, the budget carried from window to window),
-and the ranges are fetched by a shared pool (several requests in flight) while at most `cap` bytes
-are fetched or in flight ahead of the reader. Each GET names the planned ETag: a replaced object
-fails the stream.
+same the local stream preads) and fetched by a shared pool (several requests in flight) while at most
+`cap` bytes are fetched or in flight ahead of the reader. How a row-split tensor's short rows are
+fetched depends on the store:
+
+- a server that answers several ranges per request (`reshard.io.multirange`: nginx, Caddy, static
+  file servers): each row's slice exactly, ranges a short gap apart (`store_range_gap`) merged, up
+  to `store_ranges` ranges per request;
+- a store that answers one range per request (S3, GCS): the row block that covers them, one request
+  for many rows (`store_row_blocks`; off: each row's slice on its own);
+- through the node's store cache (`reshard.io.store_cache`, the service's): the row block, read
+  from cached blocks.
+
+Ranges of one file that touch are merged, and so are ranges a short gap apart while the gaps stay
+within `store_waste` of the bytes read (shortest gaps first, the budget carried from window to window).
+Each GET names the planned ETag: a replaced object fails the stream.
 """
 
 from __future__ import annotations
@@ -25,7 +34,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from reshard.errors import SourceChangedError
+from reshard.io import store_cache
 from reshard.io.mapped import MAPS
+from reshard.io.multirange import MultiRangeClient, Unanswered, client_for
 from reshard.io.stores import is_url, store_for
 from reshard.plan.reads import piece_reads
 from reshard.settings import library_settings
@@ -117,8 +128,31 @@ class RemoteReader:
         self.size, self.version = int(key[0]), str(key[1])
         self.store, self.key = store_for(path)
         self.prefetcher: Prefetcher | None = None
+        self.multi: MultiRangeClient | None = None  # set by the Prefetcher where the server answers several ranges
+
+    def fetch_ranges(self, ranges: list[tuple[int, int]]) -> list[memoryview]:
+        """Bytes [a, b) for each (a, b) of `ranges`: in one request where the server answers several
+        (`reshard.io.multirange`), else one GET each."""
+        if self.multi is not None:
+            try:
+                return self.multi.get(self.key, ranges, self.version)
+            except Unanswered:  # too many ranges for this server (Starlette: 100, Apache: 200): ask half as many
+                if len(ranges) > 2:
+                    self.multi.most = min(self.multi.most, len(ranges) // 2)
+                    half = len(ranges) // 2
+                    return self.fetch_ranges(ranges[:half]) + self.fetch_ranges(ranges[half:])
+                self.multi = None
+        return [self._get(a, b) for a, b in ranges]
 
     def fetch(self, start: int, end: int) -> memoryview:
+        """Bytes [start, end) of the object: through the node's block cache where one is on
+        (`reshard.io.store_cache`: the service turns it on), else one conditional GET."""
+        cache = store_cache.current()
+        if cache is not None:
+            return cache.read(self._get, self.path, self.version, self.size, start, end)
+        return self._get(start, end)
+
+    def _get(self, start: int, end: int) -> memoryview:
         data, _ = self.store.get(self.key, start, end, version=self.version)
         if len(data) != end - start:
             raise SourceChangedError(f"{self.path}: {len(data)} bytes at {start}, planned {end - start}; re-plan")
@@ -151,9 +185,11 @@ def open_reader(path: str, key: Sequence[Any]) -> Reader:
 # --- prefetching -----------------------------------------------------------------------------------
 
 
-def coalesce(runs: list[tuple[str, int, int]], budget: int, max_gap: int) -> tuple[list[tuple[str, int, int]], int]:
+def coalesce(runs: list[tuple[str, int, int]], budget: int, max_gap: int, *,
+             spend: bool = True) -> tuple[list[tuple[str, int, int]], int]:
     """Merge runs of one file that touch or overlap; then close the shortest gaps (at most `max_gap`
-    each) while their bytes fit `budget`. Returns the ranges and the budget left."""
+    each) while their bytes fit `budget` (every such gap, without `spend`). Returns the ranges and the
+    budget left."""
     ranges: list[list[Any]] = []
     for f, off, n in sorted(runs):
         if ranges and ranges[-1][0] == f and off <= ranges[-1][1] + ranges[-1][2]:
@@ -164,9 +200,9 @@ def coalesce(runs: list[tuple[str, int, int]], budget: int, max_gap: int) -> tup
                   if a[0] == b[0] and b[1] - a[1] - a[2] <= max_gap)
     close = set()
     for gap, i in gaps:
-        if gap > budget:
+        if spend and gap > budget:
             break
-        budget -= gap
+        budget -= gap if spend else 0
         close.add(i)
     out: list[tuple[str, int, int]] = []
     for i, (f, off, n) in enumerate(ranges):
@@ -176,6 +212,16 @@ def coalesce(runs: list[tuple[str, int, int]], budget: int, max_gap: int) -> tup
         else:
             out.append((f, off, n))
     return out, budget
+
+
+def _requests(ranges: list[tuple[str, int, int]], most: dict[str, int]) -> Iterator[tuple[str, list[tuple[int, int]]]]:
+    """(file, at most `most[file]` ranges (start, end)) per request: ranges of one file, in order."""
+    group: list[tuple[int, int]] = []
+    for i, (f, off, n) in enumerate(ranges):
+        group.append((off, off + n))
+        if len(group) >= most[f] or i + 1 == len(ranges) or ranges[i + 1][0] != f:
+            yield f, group
+            group = []
 
 
 _POOL: ThreadPoolExecutor | None = None
@@ -212,12 +258,25 @@ def _signals_held() -> Iterator[None]:
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
+class _Part:
+    """Range `i` of a request for several ranges (quacks like the Future of a single range)."""
+
+    def __init__(self, fut: Future[list[memoryview]], i: int) -> None:
+        self.fut, self.i = fut, i
+
+    def result(self) -> memoryview:
+        return self.fut.result()[self.i]
+
+    def cancel(self) -> bool:
+        return self.fut.cancel()
+
+
 @dataclass
 class _Window:
     start: int
     end: int
     nbytes: int
-    ranges: dict[str, list[tuple[int, int, Future[memoryview]]]] = field(default_factory=dict)
+    ranges: dict[str, list[tuple[int, int, Future[memoryview] | _Part]]] = field(default_factory=dict)
 
 
 class Prefetcher:
@@ -229,6 +288,12 @@ class Prefetcher:
         settings = library_settings()
         self.window, self.cap = window or WINDOW, cap or settings.store_inflight
         self.max_gap, self.waste = settings.store_max_gap, settings.store_waste
+        self.range_gap = settings.store_range_gap
+        cached = store_cache.current() is not None  # the cache fetches whole blocks: spans are what it reads
+        for r in readers.values():
+            r.multi = None if cached else client_for(r.store, r.key, r.version)
+        # row-split tensors as their rows' slices (not row blocks) from these files
+        self.exact = {f for f, r in readers.items() if r.multi is not None or not (cached or settings.store_row_blocks)}
         self.windows: deque[_Window] = deque()
         self.next = 0  # output offset the next window starts at
         self.buffered = 0
@@ -252,15 +317,25 @@ class Prefetcher:
         while i < len(self.pieces) and self.starts[i] < hi:
             piece, base = self.pieces[i], self.starts[i]
             if not isinstance(piece, bytes):
-                reads = piece_reads(piece, max(lo - base, 0), min(hi - base, piece.nbytes))
-                runs.extend((rd.file, rd.offset, rd.span) for rd in reads if rd.file in self.readers)
+                for rd in piece_reads(piece, max(lo - base, 0), min(hi - base, piece.nbytes)):
+                    if rd.file not in self.readers:
+                        continue
+                    if rd.count > 1 and rd.file in self.exact:  # the rows' slices, not their row block
+                        runs.extend((rd.file, rd.offset + k * rd.stride, rd.run) for k in range(rd.count))
+                    else:
+                        runs.append((rd.file, rd.offset, rd.span))
             i += 1
         w = _Window(lo, hi, 0)
-        ranges, self.spare = coalesce(runs, self.spare + int(self.waste * sum(n for _, _, n in runs)), self.max_gap)
+        single = [r for r in runs if self.readers[r[0]].multi is None]
+        ranges, self.spare = coalesce(single, self.spare + int(self.waste * sum(n for _, _, n in single)), self.max_gap)
         for f, off, n in ranges:
-            reader = self.readers[f]
-            w.ranges.setdefault(f, []).append((off, off + n, _pool().submit(reader.fetch, off, off + n)))
+            w.ranges.setdefault(f, []).append((off, off + n, _pool().submit(self.readers[f].fetch, off, off + n)))
             w.nbytes += n
+        several, _ = coalesce([r for r in runs if self.readers[r[0]].multi is not None], 0, self.range_gap, spend=False)
+        for f, group in _requests(several, {f: r.multi.most for f, r in self.readers.items() if r.multi is not None}):
+            fut = _pool().submit(self.readers[f].fetch_ranges, group)
+            w.ranges.setdefault(f, []).extend((a, b, _Part(fut, k)) for k, (a, b) in enumerate(group))
+            w.nbytes += sum(b - a for a, b in group)
         self.windows.append(w)
         self.buffered += w.nbytes
         self.next = hi

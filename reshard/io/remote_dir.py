@@ -2,7 +2,9 @@
 `read_file` / `copy_beside` read a file beside a source, local or remote.
 
 Headers come from one speculative ranged read per file (the first `SPECULATIVE` bytes; a second read
-only for a longer header) and go through the same validation as local files. JSON files are fetched
+only for a longer header) and go through the same validation as local files. Where the size and
+version of a file are `known` beforehand (the service's listing) and the node's store cache is on
+(`reshard.io.store_cache`), those reads go through the cache like the stream's. JSON files are fetched
 whole. Which files exist comes from a listing where the store can list (S3, GCS), else from
 index.json / the usual names (plain HTTP, the Hub).
 """
@@ -15,6 +17,7 @@ from typing import Any
 
 from reshard.errors import CheckpointError
 from reshard.format.checkpoint import FileInfo, TensorInfo, header_bytes_wanted, header_from
+from reshard.io import store_cache
 from reshard.io.outfs import atomic_file, copy_atomic
 from reshard.io.stores import RemotePath, object_version, store_for
 
@@ -24,8 +27,9 @@ SPECULATIVE = 128 << 10
 class RemoteDirectory:
     """Files under one URL prefix; what it fetched is kept, so each file is asked for once."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, *, known: dict[str, tuple[int, str]] | None = None) -> None:
         self.root = RemotePath(url.rstrip("/"))
+        self.known = known or {}  # file name -> (size, version), where a listing said so
         self.store, self.prefix = store_for(self.root.url + "/")
         self._json: dict[str, bytes | None] = {}
         self._heads: dict[str, tuple[bytes, dict[str, Any]] | None] = {}
@@ -68,12 +72,28 @@ class RemoteDirectory:
     def _head(self, name: str) -> tuple[bytes, dict[str, Any]] | None:
         """The first SPECULATIVE bytes of a file and its metadata (None if it does not exist)."""
         if name not in self._heads:
+            if name in self.known and store_cache.current() is not None:
+                size, version = self.known[name]
+                self._heads[name] = (self._read(name, 0, min(SPECULATIVE, size)), {"size": size, "e_tag": version})
+                return self._heads[name]
             try:
                 data, meta = self.store.get(self.key(name), 0, SPECULATIVE)
                 self._heads[name] = (bytes(data), meta)
             except CheckpointError:  # no such object
                 self._heads[name] = None
         return self._heads[name]
+
+    def _read(self, name: str, start: int, end: int) -> bytes:
+        """Bytes [start, end) of a file whose size and version are known, through the store cache if on."""
+        size, version = self.known[name]
+
+        def get(lo: int, hi: int) -> memoryview:
+            return self.store.get(self.key(name), lo, hi, version=version)[0]
+
+        cache = store_cache.current()
+        if cache is None:
+            return bytes(get(start, end))
+        return bytes(cache.read(get, self.path(name).url, version, size, start, end))
 
     def header(self, name: str) -> tuple[FileInfo, dict[str, TensorInfo]]:
         hit = self._head(name)
@@ -82,8 +102,11 @@ class RemoteDirectory:
         head, meta = hit
         size, version = int(meta["size"]), object_version(meta, where=self.path(name).url)
         if len(head) >= 8 and header_bytes_wanted(head, size) > len(head):
-            rest, _ = self.store.get(self.key(name), len(head), header_bytes_wanted(head, size), version=version)
-            head += bytes(rest)
+            if name in self.known:
+                head += self._read(name, len(head), header_bytes_wanted(head, size))
+            else:
+                rest, _ = self.store.get(self.key(name), len(head), header_bytes_wanted(head, size), version=version)
+                head += bytes(rest)
         return header_from(self.path(name), head, size=size, version=version)
 
     def stat_files(self, names: tuple[str, ...]) -> dict[str, tuple[int, str]]:

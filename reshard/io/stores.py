@@ -14,7 +14,7 @@ import datetime
 import os
 import re
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -92,6 +92,7 @@ class Store:
             data = memoryview(result.bytes())
         except Exception as e:
             raise self.error(e, key) from None
+        count_fetched(len(data))
         if version is not None and (now := object_version(meta, where=self.url(key))) != version:
             raise SourceChangedError(f"{self.url(key)}: replaced while being read (ETag {now}, "
                                      f"planned {version}); re-plan and retry")
@@ -103,7 +104,9 @@ class Store:
         from obstore.exceptions import NotFoundError
 
         try:
-            return bytes(obstore.get(self._store, key).bytes())
+            data = bytes(obstore.get(self._store, key).bytes())
+            count_fetched(len(data))
+            return data
         except (NotFoundError, FileNotFoundError):
             return None
         except Exception as e:
@@ -257,6 +260,15 @@ def _boto3_provider() -> Any:
         raise StoreError("no AWS credentials found (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, a profile, or "
                          "instance metadata); set them, or AWS_SKIP_SIGNATURE=true for a public bucket")
     return Boto3CredentialProvider(session)
+
+
+FETCH_HOOKS: list[Callable[[int], None]] = []  # called with the body bytes of every GET (the service counts them)
+
+
+def count_fetched(n: int) -> None:
+    """`n` more bytes came from a store: tell whoever counts (`FETCH_HOOKS`)."""
+    for hook in FETCH_HOOKS:
+        hook(n)
 
 
 _STORES: dict[tuple[str, tuple[str, ...]], Store] = {}

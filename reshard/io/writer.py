@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import os
 import threading
@@ -12,7 +11,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from reshard.errors import IntegrityError, SourceChangedError
+from reshard.errors import SourceChangedError
 from reshard.format.checkpoint import CONFIG_NAME, Source
 from reshard.io.hashing import file_sha256
 from reshard.io.outfs import (
@@ -21,9 +20,11 @@ from reshard.io.outfs import (
     made_dir,
     output_errors,
     remove_stale_temps,
+    start_writeback,
     temp_path,
     write_json_atomic,
 )
+from reshard.io.outhash import Buffers, OutHash
 from reshard.io.progress import Progress
 from reshard.io.remote_dir import copy_beside
 from reshard.io.stream import CHUNK, RankStream
@@ -59,75 +60,25 @@ def pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> int:
     return done
 
 
-def _write_data(stream: RankStream, fd: int, on_bytes: Callable[[int], None]) -> None:
+def _write_data(stream: RankStream, fd: int, hasher: OutHash, on_bytes: Callable[[int], None]) -> None:
     """Every byte of the rank file into fd: long contiguous source ranges by kernel copy, the rest
-    (header, strided runs, padding) through one chunk buffer."""
-    buf = memoryview(bytearray(CHUNK))
+    (header, strided runs, padding) through pooled chunk buffers; each range handed to the hasher as
+    it goes out, and its write-back to the disk started at once (the final fsync then waits for less)."""
     for pos, n, src in stream.runs(chunk_size=CHUNK, direct_min=COPY_MIN):
         if src is not None:
             _copy_range(src[0], fd, n, src[1], pos)
+            hasher.copied(src[0], src[1], n)
         else:
+            buf = hasher.take()
             stream.read_into(pos, buf[:n])
             pwrite_all(fd, buf[:n], pos)
+            hasher.written(buf, n)
+        start_writeback(fd, pos, n)
         on_bytes(n)
     stream.check_unchanged()
 
 
-class _Hasher(threading.Thread):
-    """Hashes a file that is being written, following the writer: `advance(n)` says n more bytes (in
-    order) are in place, and the hasher reads them back (from the page cache) with pread. Nothing maps
-    the file: a file system that runs out of room fails a write with ENOSPC instead of faulting a
-    mapped page (SIGBUS on a full tmpfs)."""
-
-    BLOCK = 4 << 20
-
-    def __init__(self, fd: int, size: int) -> None:
-        super().__init__(daemon=True)
-        self.fd, self.size, self.avail = fd, size, 0
-        self.sha = hashlib.sha256()
-        self.cond = threading.Condition()
-        self.cancelled = False
-        self.error: BaseException | None = None
-        self.start()
-
-    def advance(self, n: int) -> None:
-        with self.cond:
-            self.avail += n
-            self.cond.notify()
-
-    def cancel(self) -> None:
-        """The write failed: stop at once (`digest` then only joins)."""
-        with self.cond:
-            self.cancelled = True
-            self.cond.notify()
-
-    def run(self) -> None:
-        done = 0
-        buf = memoryview(bytearray(min(self.BLOCK, max(self.size, 1))))
-        try:
-            while done < self.size:
-                with self.cond:
-                    while self.avail <= done and not self.cancelled:
-                        self.cond.wait()
-                    if self.cancelled:
-                        return
-                    upto = min(self.avail, done + len(buf))
-                n = os.preadv(self.fd, [buf[: upto - done]], done)
-                if n <= 0:
-                    raise IntegrityError(f"written file ended at byte {done} of {self.size} when read back")
-                self.sha.update(buf[:n])
-                done += n
-        except BaseException as e:  # reported by digest()
-            self.error = e
-
-    def digest(self) -> str:
-        self.join()
-        if self.error is not None:
-            raise self.error
-        return self.sha.hexdigest()
-
-
-def _finish(tmp: Path, fd: int, hasher: _Hasher, path: Path, on_published: Callable[[str], None], *,
+def _finish(tmp: Path, fd: int, hasher: OutHash, path: Path, on_published: Callable[[str], None], *,
             retry: str = RETRY) -> str:
     """Wait for the hash of the written temp file, fsync it and publish it under its final name."""
     try:
@@ -146,21 +97,17 @@ def _finish(tmp: Path, fd: int, hasher: _Hasher, path: Path, on_published: Calla
     return digest
 
 
-def _start(plan: RankPlan, path: Path, on_bytes: Callable[[int], None], *, retry: str = RETRY) -> tuple[Path, int, _Hasher]:
-    """Write a rank file's bytes to a temp file beside `path`, hashed as they land."""
+def _start(plan: RankPlan, path: Path, on_bytes: Callable[[int], None], pool: Buffers, *,
+           retry: str = RETRY) -> tuple[Path, int, OutHash]:
+    """Write a rank file's bytes to a temp file beside `path`, hashed as they go out."""
     tmp = temp_path(path)
     with output_errors(path, retry=retry):
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o666)
     hasher = None
     try:
-        hasher = _Hasher(fd, plan.size)
-
-        def done(n: int) -> None:
-            hasher.advance(n)
-            on_bytes(n)
-
+        hasher = OutHash(pool)
         with output_errors(path, retry=retry), RankStream(plan) as stream:
-            _write_data(stream, fd, done)
+            _write_data(stream, fd, hasher, on_bytes)
     except BaseException:
         if hasher is not None:
             hasher.cancel()
@@ -175,7 +122,7 @@ def write_rank_file(plan: RankPlan, path: Path, *, on_bytes: Callable[[int], Non
                     retry: str = RETRY) -> str:
     """Write one rank file to `path` atomically (temp, fsync, rename); return its sha256. An OSError of
     the output side is raised as its `OutputError`, whose fix ends with `retry`."""
-    tmp, fd, hasher = _start(plan, path, on_bytes or (lambda n: None), retry=retry)
+    tmp, fd, hasher = _start(plan, path, on_bytes or (lambda n: None), Buffers(CHUNK), retry=retry)
     digest = _finish(tmp, fd, hasher, path, lambda d: None, retry=retry)
     fsync_dir(path.parent)
     return digest
@@ -222,12 +169,13 @@ def _write_into(out: Path, ckpt: Source, plan: Plan, *, progress: bool | None,
             on_bytes(n)
 
     pending: list[Future[str]] = []
-    with ThreadPoolExecutor(2) as pool:
+    pool = Buffers(CHUNK)  # the chunk buffers of every file of this write
+    with ThreadPoolExecutor(2) as finishing:
         try:
             for rp in todo:
                 name = rank_file_name(rp.rank, rp.world)
-                tmp, fd, hasher = _start(rp, out / name, done)
-                pending.append(pool.submit(_finish, tmp, fd, hasher, out / name, published.adder(name, rp)))
+                tmp, fd, hasher = _start(rp, out / name, done, pool)
+                pending.append(finishing.submit(_finish, tmp, fd, hasher, out / name, published.adder(name, rp)))
         finally:
             errors = [e for e in (fut.exception() for fut in pending) if e is not None]
     if errors:

@@ -17,6 +17,8 @@ from fastapi import Depends, FastAPI
 from fastapi.security import HTTPBearer
 
 import reshard
+from reshard.io import store_cache
+from reshard.io.stores import FETCH_HOOKS
 from reshard.service.catalog import Catalog
 from reshard.service.digests import DigestCache
 from reshard.service.errors import install_error_handlers
@@ -71,12 +73,19 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         remove_dead_uploads(settings.root)
     service_metrics = ServiceMetrics(job_counts=job_manager.counts)
 
+    if isinstance(settings.root, str):  # every range of the store's objects fetched once per node
+        cache = store_cache.enable(settings.store_cache_path, settings.store_cache, block=settings.store_cache_block)
+        if cache is not None:
+            cache.on_hit = service_metrics.store_cache_hits.inc
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         restore = stop_on_signals(job_manager.stop)  # write jobs stop at once, not after the downloads
+        FETCH_HOOKS.append(service_metrics.store_fetched.inc)
         try:
             yield
         finally:
+            FETCH_HOOKS.remove(service_metrics.store_fetched.inc)
             restore()
             job_manager.shutdown()
 

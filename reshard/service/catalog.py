@@ -170,11 +170,11 @@ class Catalog:
             raise NotFoundError(f"checkpoint {name!r} has no .safetensors files")
         entry = self._ckpts.get((name, key))
         if entry is None:
-            entry = _Entry(self._open_checkpoint(name, directory))
+            entry = _Entry(self._open_checkpoint(name, directory, key))
             self._ckpts.put((name, key), entry)
         return entry, key
 
-    def _open_checkpoint(self, name: str, directory: Path) -> Checkpoint:
+    def _open_checkpoint(self, name: str, directory: Path, key: StatKey) -> Checkpoint:
         ckpt = Checkpoint.open(directory)
         for f in ckpt.files:
             if not is_within(Path(os.path.realpath(f.path)), self.root):

@@ -40,6 +40,7 @@ import time
 from array import array
 from pathlib import Path
 
+from reshard.io.outfs import delete_oldest
 from reshard.io.stream import RankStream
 from reshard.io.writer import pwrite_all
 
@@ -129,13 +130,7 @@ class GatherCache:
                         copies.append((st.st_mtime, st.st_size, entry.path))
                     elif now - st.st_mtime > STALE:  # markers of shards pulled once, temporaries of dead workers
                         os.unlink(entry.path)
-            total = sum(size for _, size, _ in copies)
-            for _, size, path in sorted(copies):
-                if total <= self.max_bytes:
-                    break
-                with contextlib.suppress(OSError):
-                    os.unlink(path)
-                    total -= size
+            delete_oldest(copies, self.max_bytes)
 
 
 class Copy:

@@ -88,6 +88,10 @@ class ServiceMetrics:
                                         buckets=(0.01, 0.05, 0.25, 1, 5, 25, 120, 600), registry=reg)
         self.digests = Counter("reshard_shard_digests", "Shard sha256 digests asked for, by cache result",
                                ["cache"], registry=reg)
+        self.store_fetched = Counter("reshard_store_fetched_bytes", "Bytes fetched from the store of a root in a "
+                                     "store (cache blocks, headers, JSON files)", registry=reg)
+        self.store_cache_hits = Counter("reshard_store_cache_hit_bytes", "Bytes of source ranges read from the "
+                                        "node's store cache instead of the store", registry=reg)
         self.uploads = Counter("reshard_uploads", "Checkpoint file uploads, by outcome", ["outcome"], registry=reg)
         self._jobs = _JobsCollector(job_counts or dict)
         if self.shared_dir is None:

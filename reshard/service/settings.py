@@ -48,6 +48,14 @@ class Settings(BaseSettings):
                               "like source ranges (see reshard.service.gathered); 0: gather on every pull")
     gather_dir: Path | None = Field(None, description="where the copies of gathered pieces go, shared by the "
                                     "workers (default ROOT/.reshard/gathered)")
+    store_cache: int = Field(16 << 30, ge=0, description="bytes of the node's disk cache of store objects, for a "
+                             "root in a store: each block of each object version (by ETag) is fetched once while "
+                             "it stays cached, for every rank, layout and worker (see reshard.io.store_cache); "
+                             "least recently used blocks go first; 0: every pull fetches what it needs")
+    store_cache_block: int = Field(8 << 20, ge=4096, le=256 * MiB, description="bytes per block of the store "
+                                   "cache: one GET each, at block-aligned offsets of an object")
+    store_cache_dir: Path | None = Field(None, description="where the store cache's blocks go, shared by the "
+                                         "workers (default STATE/store-cache: ~/.cache/reshard/serve-HASH)")
     io_threads: int = Field(32, ge=1, le=1024, description="threads reading shard bytes for all streams")
     job_workers: int = Field(1, ge=1, le=64, description="background write jobs run at once, per worker process")
     workers: int = Field(default_factory=lambda: len(os.sched_getaffinity(0)), ge=1, le=256,
@@ -102,6 +110,11 @@ class Settings(BaseSettings):
     def gathered_dir(self) -> Path:
         """Where copies of gathered pieces go (`reshard.service.gathered`)."""
         return self.gather_dir.expanduser() if self.gather_dir is not None else self.state_dir / "gathered"
+
+    @property
+    def store_cache_path(self) -> Path:
+        """Where the store cache's blocks go (`reshard.io.store_cache`)."""
+        return self.store_cache_dir.expanduser() if self.store_cache_dir is not None else self.state_dir / "store-cache"
 
     @property
     def jobs_dir(self) -> Path:

@@ -60,5 +60,6 @@ class StoreCatalog(Catalog):
                 found.append({"name": name, "files": len(weights), "bytes": sum(f[1] for f in weights)})
         return found
 
-    def _open_checkpoint(self, name: str, directory: Any) -> Checkpoint:
-        return Checkpoint.from_directory(RemoteDirectory(directory.url))
+    def _open_checkpoint(self, name: str, directory: Any, key: StatKey) -> Checkpoint:
+        # the listing's sizes and versions: headers are read through the node's store cache, if on
+        return Checkpoint.from_directory(RemoteDirectory(directory.url, known={f[0]: (f[1], f[2]) for f in key}))

@@ -122,6 +122,8 @@ def live_server(root: Path, *, token: str | None = None, out: Path | None = None
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("OMP_NUM_THREADS", "1")
     log_dir = log_dir or Path(root).parent
+    if "://" in str(root):  # a root in a store: its cached blocks go with the logs, not to ~/.cache
+        env.setdefault("RESHARD_STORE_CACHE_DIR", str(Path(log_dir) / f"store-cache-{os.getpid()}"))
     for _attempt in range(3):
         port = free_port()
         cmd = [sys.executable, "-m", "reshard.cli", "serve", "--root", str(root), "--host", "127.0.0.1",

@@ -1,0 +1,200 @@
+"""A bounded disk cache of store objects' bytes, shared by the processes of one node: each block of each
+object version is fetched from the store at most once while it stays in the cache.
+
+`reshard serve --root s3://...` (or `http(s)://`) turns it on (`enable`); its streams then read their
+source ranges through it (`reshard.io.readers.RemoteReader`), so every rank and every layout served on
+the node comes from one fetch of each block, however many pulls ask for it and whichever worker
+process answers them.
+
+- Blocks: `BLOCK` bytes of one object at block-aligned offsets (the last one shorter), one file each,
+  under DIR/<hash of the object's URL and version>/<block number>. The version is the object's ETag
+  (else its version id or Last-Modified: `reshard.io.stores.object_version`), and every fetch is
+  conditional on it, so a replaced object is a new key and its old blocks are never served for it.
+- One fetch per block: the fetch holds an exclusive `flock` on the block's lock file, and pulls that
+  want the same block (any thread, any worker) wait on that lock, then read the file the fetch wrote.
+  A block is written under a temporary name and renamed whole: a partial block is never read.
+- Bounded: at most `max_bytes` of blocks; past it the least recently used are deleted (a reader that
+  has a block open keeps reading it). A block that cannot be written (full disk, read-only) is still
+  used from memory by the pull that fetched it, and the failure is logged once: the cache never fails
+  a pull.
+- Counted: `fetched` (bytes fetched from the store for blocks) and `hits` (bytes read from blocks in
+  the cache, also reported to `on_hit`: the service's Prometheus counter; every byte fetched from a
+  store is counted by `reshard.io.stores.count_fetched`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from reshard.io.outfs import delete_oldest, flocked
+
+log = logging.getLogger("reshard.io")
+
+BLOCK = 8 << 20  # bytes per cached block: one GET each
+_SWEEP_EVERY = 64 << 20  # bytes written between two looks at the cache's size
+_STALE = 3600.0  # seconds: a temporary block file this old was left by a killed process
+
+
+class StoreCache:
+    """The blocks in one directory (see the module docstring)."""
+
+    def __init__(self, directory: Path, max_bytes: int, *, block: int = BLOCK) -> None:
+        self.dir, self.max_bytes, self.block = Path(directory), max_bytes, block
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.fetched = self.hits = 0
+        self.on_hit: Callable[[int], None] | None = None
+        self._lock = threading.Lock()
+        self._since_sweep = 0
+        self._estimate = 0  # bytes of blocks: the last sweep's count plus what this process stored since
+        self._warned = False
+
+    def read(self, fetch: Callable[[int, int], memoryview], url: str, version: str, size: int, start: int,
+             end: int) -> memoryview:
+        """Bytes [start, end) of the object `url` at `version` (`size` bytes), from cached blocks, each
+        missing block fetched once with `fetch(lo, hi)` (a conditional GET of bytes [lo, hi))."""
+        out = memoryview(bytearray(end - start))
+        where = self.dir / hashlib.sha256(f"{url}\0{version}".encode()).hexdigest()[:32]
+        first, last = start // self.block, (end - 1) // self.block
+        for k in range(first, last + 1):
+            lo, hi = k * self.block, min((k + 1) * self.block, size)
+            a, b = max(lo, start), min(hi, end)
+            self._block(fetch, where, k, lo, hi, out[a - start : b - start], a - lo)
+        return out
+
+    def _block(self, fetch: Callable[[int, int], memoryview], where: Path, k: int, lo: int, hi: int,
+               dst: memoryview, at: int) -> None:
+        """dst <- bytes [at, at + len(dst)) of block k (object bytes [lo, hi))."""
+        path = where / str(k)
+        if self._read(path, dst, at):
+            return
+        with self._locked(where, k):
+            if self._read(path, dst, at):  # another pull fetched it while this one waited
+                return
+            data = fetch(lo, hi)
+            dst[:] = data[at : at + len(dst)]
+            self._count("fetched", len(data))
+            self._store(where, path, data)
+
+    def _read(self, path: Path, dst: memoryview, at: int) -> bool:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            return False
+        try:
+            got = 0
+            while got < len(dst):
+                n = os.preadv(fd, [dst[got:]], at + got)
+                if n <= 0:
+                    return False  # not a whole block (cannot happen: blocks are renamed in whole)
+                got += n
+            with contextlib.suppress(OSError):
+                os.utime(fd)  # recently used: evicted last
+        finally:
+            os.close(fd)
+        self._count("hits", len(dst))
+        return True
+
+    @contextlib.contextmanager
+    def _locked(self, where: Path, k: int) -> Iterator[None]:
+        """The block's fetch lock (an flock: released if its holder dies); without a usable directory,
+        no lock (each pull fetches what it needs)."""
+        with contextlib.suppress(OSError):
+            where.mkdir(exist_ok=True)
+        with flocked(where / f"{k}.lock") as held:
+            if not held:
+                self._failed(OSError(f"cannot lock blocks in {where}"))
+            yield
+
+    def _store(self, where: Path, path: Path, data: memoryview) -> None:
+        tmp = where / f".{path.name}.{os.getpid()}.{threading.get_ident()}"
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+            os.rename(tmp, path)
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            self._failed(e)
+            return
+        with self._lock:  # over the size as this process knows it, or time to count the other workers' blocks
+            self._since_sweep += len(data)
+            self._estimate += len(data)
+            sweep = self._estimate > self.max_bytes or self._since_sweep >= _SWEEP_EVERY
+            if sweep:
+                self._since_sweep = 0
+        if sweep:
+            left = self.evict()
+            with self._lock:
+                self._estimate = left
+
+    def evict(self) -> int:
+        """Delete the least recently used blocks until at most `max_bytes` remain; the bytes left."""
+        blocks, now = [], time.time()
+        with flocked(self.dir / ".sweep.lock"):  # one sweep at a time, across the worker processes
+            for sub in os.scandir(self.dir):
+                if not sub.is_dir(follow_symlinks=False):
+                    continue
+                for e in os.scandir(sub.path):
+                    with contextlib.suppress(OSError):
+                        st = e.stat()
+                        if e.name.isdigit():
+                            blocks.append((st.st_mtime, st.st_size, e.path))
+                        elif e.name.startswith(".") and now - st.st_mtime > _STALE:  # a dead writer's
+                            os.unlink(e.path)
+            left = delete_oldest(blocks, self.max_bytes)
+            for _, _, path in blocks:  # the lock files of deleted blocks (a pull waiting on one may fetch it
+                if not os.path.exists(path):  # once more: harmless)
+                    with contextlib.suppress(OSError):
+                        os.unlink(path + ".lock")
+        return left
+
+    def _count(self, what: str, n: int) -> None:
+        with self._lock:
+            setattr(self, what, getattr(self, what) + n)
+        if what == "hits" and self.on_hit is not None:
+            self.on_hit(n)
+
+    def _failed(self, e: OSError) -> None:
+        if not self._warned:
+            self._warned = True
+            log.warning("store cache %s: %s; blocks are fetched for each pull that needs them",
+                        self.dir, e.strerror or e)
+
+
+_CACHE: StoreCache | None = None
+
+
+def enable(directory: Path, max_bytes: int, *, block: int = BLOCK) -> StoreCache | None:
+    """Read every store object of this process through a cache in `directory` (None: `max_bytes` is 0,
+    or the directory cannot be made; then nothing is cached, and a warning says why)."""
+    global _CACHE
+    _CACHE = None
+    if max_bytes <= 0:
+        return None
+    try:
+        _CACHE = StoreCache(directory, max_bytes, block=block)
+        _CACHE._estimate = _CACHE.evict()  # a cache left larger than this size shrinks at once
+    except OSError as e:
+        log.warning("store cache %s cannot be used (%s): every pull fetches what it needs", directory,
+                    e.strerror or e)
+    return _CACHE
+
+
+def disable() -> None:
+    global _CACHE
+    _CACHE = None
+
+
+def current() -> StoreCache | None:
+    """The cache this process reads store objects through, if any."""
+    return _CACHE
+
+
+__all__ = ["BLOCK", "StoreCache", "current", "disable", "enable"]
