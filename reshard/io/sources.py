@@ -21,15 +21,22 @@ from reshard.io.remote_dir import RemoteDirectory
 from reshard.io.shards import ShardSet, has_rank_files, is_shard_dir
 from reshard.io.stores import RemotePath, is_url
 from reshard.rules.from_config import RULES_FILES, from_config, resolve_manifest
+from reshard.rules.layouts import apply_layout
 from reshard.rules.manifest import Manifest
 
 __all__ = ["checkpoint_manifest", "open_checkpoint", "open_shards", "open_source"]
 
 
 def open_source(
-    path: str | os.PathLike[str], *, rules: str | Path | None = None
+    path: str | os.PathLike[str], *, rules: str | Path | None = None, layout: str | None = None
 ) -> tuple[Checkpoint | ShardSet, Manifest]:
-    """Validate every header at `path` (a local path or a URL) and resolve its manifest."""
+    """Validate every header at `path` (a local path or a URL) and resolve its manifest, adjusted for an
+    engine's `layout` (`reshard.rules.layouts`: "vllm") when one is named."""
+    source, manifest = _open_source(path, rules)
+    return source, apply_layout(manifest, layout)
+
+
+def _open_source(path: str | os.PathLike[str], rules: str | Path | None) -> tuple[Checkpoint | ShardSet, Manifest]:
     if is_url(path):
         return _open_remote(str(path), rules)
     p = Path(path)

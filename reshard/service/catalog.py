@@ -9,6 +9,7 @@ ROOT/.reshard/rules/NAME/LABEL.json, a directory no checkpoint name can reach.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -28,6 +29,7 @@ from reshard.io.outfs import write_json_atomic
 from reshard.io.sources import checkpoint_manifest
 from reshard.plan.planner import RankPlanner, make_plan, make_planner, resolve_rules
 from reshard.plan.types import Plan, RankPlan
+from reshard.rules.layouts import apply_layout
 from reshard.rules.manifest import Manifest
 from reshard.service.errors import BadRequest
 from reshard.service.settings import Settings
@@ -109,6 +111,7 @@ class Catalog:
         self._plans: LRU[tuple[Any, ...], tuple[str, RankPlan]] = LRU(settings.plan_cache)
         self._planners: LRU[tuple[Any, ...], tuple[str, RankPlanner]] = LRU(8)
         self._stored: LRU[tuple[str, int, int], Manifest] = LRU(256)
+        self._layouts: LRU[tuple[str, str], Manifest] = LRU(64)
 
     # --- paths -------------------------------------------------------------------------------
 
@@ -204,10 +207,19 @@ class Catalog:
             self._stored.put(key, manifest)
         return manifest
 
-    def source(self, name: str, *, rules: str | None = None) -> ServedCheckpoint:
+    def source(self, name: str, *, rules: str | None = None, layout: str | None = None) -> ServedCheckpoint:
         """The checkpoint `name` and its manifest: `rules` (a stored label) if given, else the stored
-        default, else a rules file in its directory, else its config.json tp_plan."""
-        return self._source(name, *self._entry(name), rules)
+        default, else a rules file in its directory, else its config.json tp_plan; adjusted for an
+        engine's `layout` (`reshard.rules.layouts`) when one is named."""
+        src = self._source(name, *self._entry(name), rules)
+        if layout is None:
+            return src
+        key = (src.manifest.digest(), layout)
+        manifest = self._layouts.get(key)
+        if manifest is None:
+            manifest = apply_layout(src.manifest, layout)
+            self._layouts.put(key, manifest)
+        return dataclasses.replace(src, manifest=manifest)
 
     def _source(self, name: str, entry: _Entry, key: StatKey, rules: str | None) -> ServedCheckpoint:
         if rules is not None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import anyio.to_thread
 from fastapi import Depends, Path, Query, Request
@@ -68,4 +68,6 @@ Name = Annotated[str, Path(description="checkpoint directory name under the root
 TP = Annotated[int, Query(ge=1, le=MAX_TP, description="tensor-parallel degree")]
 Rules = Annotated[str | None, Query(description="label of a stored manifest to use instead",
                                     json_schema_extra=_NAME_DOC)]
+Layout = Annotated[Literal["vllm"] | None, Query(
+    description="cut each rank the way an inference engine holds it (`vllm`: its vocabulary split, docs/vllm.md)")]
 Label = Annotated[str, Query(description="label to store the manifest under", json_schema_extra=_NAME_DOC)]

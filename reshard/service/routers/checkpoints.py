@@ -20,7 +20,7 @@ from reshard.plan.planner import RankPlanner
 from reshard.plan.types import MAX_TP, Plan, plan_to_json
 from reshard.rules.manifest import Manifest
 from reshard.service.catalog import DEFAULT_LABEL, plan_ranks_once
-from reshard.service.deps import TP, CatalogDep, Label, MetricsDep, Name, Rules, SettingsDep, off_loop
+from reshard.service.deps import TP, CatalogDep, Label, Layout, MetricsDep, Name, Rules, SettingsDep, off_loop
 from reshard.service.errors import BadRequest, error_responses
 from reshard.service.ranges import shard_etag
 from reshard.service.schemas import (
@@ -67,9 +67,9 @@ def get_checkpoint(name: Name, catalog: CatalogDep, rules: Rules = None) -> dict
     "`tensors=false`, or for one rank's shard headers).",
     responses=error_responses(400, 401, 404, 422),
 )
-async def get_plan(name: Name, tp: TP, catalog: CatalogDep, rules: Rules = None,
+async def get_plan(name: Name, tp: TP, catalog: CatalogDep, rules: Rules = None, layout: Layout = None,
                    tensors: Annotated[bool, Query(description="list every tensor of every rank")] = True) -> Response:
-    src = await off_loop(catalog.source, name, rules=rules)
+    src = await off_loop(catalog.source, name, rules=rules, layout=layout)
     count = len(src.ckpt.global_tensors())
     if tensors and tp * count > MAX_LISTED:
         raise BadRequest(

@@ -1,0 +1,69 @@
+"""Engine layouts: a manifest rewritten so each rank's shard is cut the way an inference engine holds it.
+
+transformers' TP plans (and so reshard's default manifests) say how transformers splits a model. An
+engine may hold some tensors differently; a layout is one registered function `Manifest -> Manifest`
+that adjusts the rules for it, chosen by name: `reshard write --layout vllm`, `reshard plan --layout
+vllm`, the service's `?layout=vllm`, `ShardClient(..., layout="vllm")`. The adjusted options are part
+of the manifest, so they change the plan's digest (the service's ETags) and each rank file's
+self-description records them (a vocabulary cut for vLLM says `align: 64`).
+
+`vllm`: vLLM's `VocabParallelEmbedding` / `ParallelLMHead` pad the vocabulary to a multiple of 64 and
+split the padded size evenly by tp (rank r holds rows [r*chunk, (r+1)*chunk), zeros past the real
+vocabulary), where transformers splits ceil(vocab / tp) rows; vocab 1000 at tp=2 is 512 + 488 (+24 zero
+rows) in vLLM and 500 + 500 in transformers. vLLM also splits shared experts (Qwen2-MoE's
+`shared_expert`, DeepSeek-style `shared_experts`) like any MLP, where transformers' plans replicate them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from reshard.errors import RegistryError
+from reshard.registry import registrar
+from reshard.rules.manifest import Manifest, Rule
+
+Layout = Callable[[Manifest], Manifest]
+_LAYOUTS: dict[str, Layout] = {}
+
+# vLLM's DEFAULT_VOCAB_PADDING_SIZE (vllm.model_executor.layers.vocab_parallel_embedding)
+VLLM_VOCAB_ALIGN = 64
+VOCAB_KINDS = frozenset({"vocab_embed"})
+
+
+def register_layout(name: str) -> Callable[[Layout], Layout]:
+    """Bind `name` to a function `Manifest -> Manifest`; registering a name twice is an error."""
+    return registrar(_LAYOUTS, (name,), lambda n: f"layout {n!r}", known="known layouts")
+
+
+def known_layouts() -> list[str]:
+    return sorted(_LAYOUTS)
+
+
+def apply_layout(manifest: Manifest, layout: str | None) -> Manifest:
+    """`manifest` adjusted for `layout` (None: unchanged); an unknown name raises and lists the known ones."""
+    if layout is None:
+        return manifest
+    if layout not in _LAYOUTS:
+        raise RegistryError(f"unknown layout {layout!r}; known layouts: {', '.join(known_layouts())}")
+    return _LAYOUTS[layout](manifest)
+
+
+def is_vocab_split(kind: str, options: dict[str, Any]) -> bool:
+    """A kind that splits a vocabulary: `vocab_embed`, or a padded `column` (an lm_head)."""
+    return kind in VOCAB_KINDS or (kind == "column" and options.get("pad") is True and "heads" not in options)
+
+
+# shared experts: vLLM builds them as a MergedColumnParallelLinear gate_up_proj and a RowParallelLinear down_proj
+_SHARED_EXPERTS = (
+    Rule(r".*\.shared_experts?\.(gate|up)_proj\.weight", "column", {}, regex=True),
+    Rule(r".*\.shared_experts?\.down_proj\.weight", "row", {}, regex=True),
+)
+
+
+@register_layout("vllm")
+def _vllm(manifest: Manifest) -> Manifest:
+    rules = [dataclasses.replace(r, options={**r.options, "align": VLLM_VOCAB_ALIGN}) if is_vocab_split(r.kind, r.options) else r
+             for r in manifest.rules]
+    return Manifest((*rules, *_SHARED_EXPERTS), manifest.strict, f"{manifest.source}, vllm layout")
