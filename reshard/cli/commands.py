@@ -16,6 +16,7 @@ from reshard.io.stores import is_url
 from reshard.io.writer import write_shards as write_to_dir
 from reshard.plan.planner import make_plan
 from reshard.plan.types import Plan, plan_to_json
+from reshard.rules.layouts import known_layouts
 
 
 def parse_ranks(text: str) -> list[int]:
@@ -27,7 +28,7 @@ def parse_ranks(text: str) -> list[int]:
 
 
 def _plan(args: argparse.Namespace, *, lazy: bool = False) -> tuple[Any, Plan]:
-    ckpt, manifest = open_source(args.checkpoint, rules=args.rules)
+    ckpt, manifest = open_source(args.checkpoint, rules=args.rules, layout=args.layout)
     ranks = parse_ranks(args.ranks) if getattr(args, "ranks", None) else None
     plan = make_plan(ckpt, manifest, args.tp, ranks=ranks, strict=args.strict, lazy=lazy)
     for w in plan.warnings:
@@ -82,6 +83,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=int, required=True, help="tensor-parallel degree")
     p.add_argument("--rules", help="rule manifest (YAML/JSON); default: reshard-rules.yaml beside it, else config.json")
     p.add_argument("--strict", action="store_true", help="rules that match no tensor are errors")
+    p.add_argument("--layout", choices=known_layouts(),
+                   help="cut each rank the way an inference engine holds it (vllm: its vocabulary split; docs/vllm.md)")
 
 
 def add_commands(sub: Any) -> None:
@@ -101,7 +104,11 @@ def add_commands(sub: Any) -> None:
 def cmd_pull(args: argparse.Namespace) -> int:
     from reshard.io.client import ShardClient  # httpx only when pulling
 
-    with ShardClient(args.url, token=args.token, retries=args.retries, rules=args.rules) as client:
+    if args.meta:
+        return _pull_meta(args)
+    if args.rank is None or args.tp is None:
+        raise PlanError("reshard pull: give --rank and --tp (a rank's shard), or --meta -o DIR (config and tokenizer)")
+    with ShardClient(args.url, token=args.token, retries=args.retries, rules=args.rules, layout=args.layout) as client:
         out = args.out or f"rank-{args.rank:05d}-of-{args.tp:05d}.safetensors"
         result = client.pull(args.rank, args.tp, out, progress=args.progress, resume=not args.no_resume)
     if result.get("kept"):
@@ -114,12 +121,27 @@ def cmd_pull(args: argparse.Namespace) -> int:
     return 0
 
 
+def _pull_meta(args: argparse.Namespace) -> int:
+    from reshard.io.client import ShardClient
+
+    if not args.out:
+        raise PlanError("reshard pull --meta: give the directory to copy the files into with -o DIR")
+    with ShardClient(args.url, token=args.token, retries=args.retries) as client:
+        files = client.pull_meta(args.out)
+    names = ", ".join(f["name"] for f in files) or "none"
+    print(f"pulled {len(files)} small files ({names}) -> {args.out}", file=sys.stderr)
+    return 0
+
+
 def _add_pull(sub: Any) -> None:
     p = sub.add_parser("pull", help="download one rank shard from `reshard serve` (resumable, verified)")
     p.add_argument("url", help="checkpoint URL, http://HOST:PORT/v1/checkpoints/NAME")
-    p.add_argument("--rank", type=int, required=True)
-    p.add_argument("--tp", type=int, required=True)
-    p.add_argument("-o", "--out", help="output file (default rank-RRRRR-of-TTTTT.safetensors)")
+    p.add_argument("--rank", type=int)
+    p.add_argument("--tp", type=int)
+    p.add_argument("--meta", action="store_true",
+                   help="instead of a shard: the checkpoint's config.json, tokenizer and generation config into -o DIR")
+    p.add_argument("--layout", choices=known_layouts(), help="a shard cut the way an engine holds it (docs/vllm.md)")
+    p.add_argument("-o", "--out", help="output file (default rank-RRRRR-of-TTTTT.safetensors); with --meta a directory")
     p.add_argument("--token", help="bearer token (default $RESHARD_TOKEN)")
     p.add_argument("--rules", help="label of a manifest stored on the server")
     p.add_argument("--retries", type=int, default=5, help="tries after a failure without progress (default 5)")
