@@ -33,7 +33,7 @@ def open_source(
     """Validate every header at `path` (a local path or a URL) and resolve its manifest, adjusted for an
     engine's `layout` (`reshard.rules.layouts`: "vllm") when one is named."""
     source, manifest = _open_source(path, rules)
-    return source, apply_layout(manifest, layout)
+    return source, apply_layout(manifest, layout, list(source.global_tensors()) if layout else ())
 
 
 def _open_source(path: str | os.PathLike[str], rules: str | Path | None) -> tuple[Checkpoint | ShardSet, Manifest]:

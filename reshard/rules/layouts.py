@@ -17,14 +17,14 @@ rows) in vLLM and 500 + 500 in transformers. vLLM also splits shared experts (Qw
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from reshard.errors import RegistryError
 from reshard.registry import registrar
 from reshard.rules.manifest import Manifest, Rule
 
-Layout = Callable[[Manifest], Manifest]
+Layout = Callable[[Manifest, Sequence[str]], Manifest]
 _LAYOUTS: dict[str, Layout] = {}
 
 # vLLM's DEFAULT_VOCAB_PADDING_SIZE (vllm.model_executor.layers.vocab_parallel_embedding)
@@ -33,7 +33,7 @@ VOCAB_KINDS = frozenset({"vocab_embed"})
 
 
 def register_layout(name: str) -> Callable[[Layout], Layout]:
-    """Bind `name` to a function `Manifest -> Manifest`; registering a name twice is an error."""
+    """Bind `name` to a function `(manifest, tensor names) -> manifest`; registering a name twice is an error."""
     return registrar(_LAYOUTS, (name,), lambda n: f"layout {n!r}", known="known layouts")
 
 
@@ -41,13 +41,14 @@ def known_layouts() -> list[str]:
     return sorted(_LAYOUTS)
 
 
-def apply_layout(manifest: Manifest, layout: str | None) -> Manifest:
-    """`manifest` adjusted for `layout` (None: unchanged); an unknown name raises and lists the known ones."""
+def apply_layout(manifest: Manifest, layout: str | None, names: Sequence[str] = ()) -> Manifest:
+    """`manifest` adjusted for `layout` (None: unchanged) and the checkpoint's tensor `names`; an unknown
+    layout raises and lists the known ones."""
     if layout is None:
         return manifest
     if layout not in _LAYOUTS:
         raise RegistryError(f"unknown layout {layout!r}; known layouts: {', '.join(known_layouts())}")
-    return _LAYOUTS[layout](manifest)
+    return _LAYOUTS[layout](manifest, names)
 
 
 def is_vocab_split(kind: str, options: dict[str, Any]) -> bool:
@@ -63,7 +64,8 @@ _SHARED_EXPERTS = (
 
 
 @register_layout("vllm")
-def _vllm(manifest: Manifest) -> Manifest:
+def _vllm(manifest: Manifest, names: Sequence[str]) -> Manifest:
     rules = [dataclasses.replace(r, options={**r.options, "align": VLLM_VOCAB_ALIGN}) if is_vocab_split(r.kind, r.options) else r
              for r in manifest.rules]
-    return Manifest((*rules, *_SHARED_EXPERTS), manifest.strict, f"{manifest.source}, vllm layout")
+    shared = [r for r in _SHARED_EXPERTS if any(r.matches(n) for n in names)]  # (a rule matching nothing warns)
+    return Manifest((*rules, *shared), manifest.strict, f"{manifest.source}, vllm layout")

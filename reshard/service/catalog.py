@@ -111,7 +111,7 @@ class Catalog:
         self._plans: LRU[tuple[Any, ...], tuple[str, RankPlan]] = LRU(settings.plan_cache)
         self._planners: LRU[tuple[Any, ...], tuple[str, RankPlanner]] = LRU(8)
         self._stored: LRU[tuple[str, int, int], Manifest] = LRU(256)
-        self._layouts: LRU[tuple[str, str], Manifest] = LRU(64)
+        self._layouts: LRU[tuple[Any, ...], Manifest] = LRU(64)
 
     # --- paths -------------------------------------------------------------------------------
 
@@ -214,10 +214,10 @@ class Catalog:
         src = self._source(name, *self._entry(name), rules)
         if layout is None:
             return src
-        key = (src.manifest.digest(), layout)
+        key = (src.name, src.key, src.manifest.digest(), layout)
         manifest = self._layouts.get(key)
         if manifest is None:
-            manifest = apply_layout(src.manifest, layout)
+            manifest = apply_layout(src.manifest, layout, list(src.ckpt.global_tensors()))
             self._layouts.put(key, manifest)
         return dataclasses.replace(src, manifest=manifest)
 
