@@ -23,15 +23,17 @@ from reshard.plan.types import rank_file_name
 
 def open_rank_stream(
     source: str | Path, rank: int, tp: int, *, token: str | None = None, need_config: bool = True,
+    rules: str | None = None, layout: str | None = None,
 ) -> tuple[dict[str, Any] | None, Iterator[Any], str | None, str]:
     """(config, byte chunks of this rank's file, expected sha256 or None, a name for errors).
 
     `source` is a shard directory, the service's checkpoint URL, or one rank file (whose own header
-    says its rank and tp). The config is None only when absent and `need_config` is false."""
+    says its rank and tp). The config is None only when absent and `need_config` is false; it is not
+    fetched from a URL unless needed. `rules` (a stored label) and `layout` choose the service's cut."""
     if is_url(source):
-        client = ShardClient(str(source), token=token)
-        config = client.info().get("config")
-        if not isinstance(config, dict):
+        client = ShardClient(str(source), token=token, rules=rules, layout=layout)
+        config = client.info().get("config") if need_config else None
+        if need_config and not isinstance(config, dict):
             config = _no_config(f"{source}: the checkpoint has no config.json", need_config)
         return config, iter(client.iter_shard(rank, tp)), None, f"{source} rank {rank}/{tp}"
     path = Path(source)
