@@ -146,7 +146,7 @@ def test_plugin_refuses_fp8_shards(tmp_path: Path) -> None:
         _check_header(_header(out / "rank-00000-of-00002.safetensors"), 0, 2, "fp8")
 
 
-def test_plugin_refuses_a_shard_directory_of_another_tp_before_touching_the_model(ckpt: Path, tmp_path: Path) -> None:
+def test_plugin_refuses_shards_of_another_tp_or_cut_before_touching_the_model(ckpt: Path, tmp_path: Path) -> None:
     """`fill_vllm_model` checks the shards before it looks at vLLM's model (here: none at all)."""
     from reshard.integrations.vllm.fill import fill_vllm_model
 
@@ -155,6 +155,9 @@ def test_plugin_refuses_a_shard_directory_of_another_tp_before_touching_the_mode
     with pytest.raises(CheckpointError, match=r"no rank-00000-of-00001.safetensors for tp=1 \(shards here are for "
                                               r"tp=\[2\]\); run `reshard write"):
         fill_vllm_model(None, out, rank=0, tp=1)  # type: ignore[arg-type]
+    assert main(["write", str(ckpt), "--tp", "2", "-o", str(tmp_path / "plain"), "--no-progress"]) == 0
+    with pytest.raises(CheckpointError, match="lm_head.weight was cut with transformers' vocabulary split"):
+        fill_vllm_model(None, tmp_path / "plain", rank=1, tp=2)  # type: ignore[arg-type]
     (out / "rank-00001-of-00002.safetensors").rename(out / "rank-00000-of-00001.safetensors")
     with pytest.raises(CheckpointError, match="is the shard of rank 1 of tp=2, but this vLLM worker is rank 0 of "
                                               "tensor_parallel_size=1"):

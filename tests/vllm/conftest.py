@@ -21,7 +21,7 @@ from tests.support.live import LiveServer, live_server
 from tests.support.vllm_ckpts import MODELS, make_model
 from tests.support.vllm_engine import engine_env
 
-# before vLLM is imported: its temporary, cache and RPC paths, thread binding, forked workers
+# before vLLM is imported: its temporary, cache and RPC paths, thread binding
 os.environ.update(engine_env(Path(tempfile.mkdtemp(prefix="reshard-vllm-"))))
 
 

@@ -1,8 +1,9 @@
 """What load_format="reshard" refuses, as vLLM reports it: one line naming the tensor or file and the fix.
 
 Each case starts an engine that fails while loading (the line is in the worker's log, captured here):
-a parameter no shard tensor fills, rank files cut transformers' way, and pipeline parallelism. Shards of
-another tp, FP8 shards and the loader's options are checked without an engine (tests/core/test_layouts.py).
+a parameter no shard tensor fills, and pipeline parallelism. Rank files cut transformers' way, shards of
+another tp, FP8 shards and the loader's options are refused before vLLM's model is touched, and are
+checked without an engine (tests/core/test_layouts.py).
 """
 
 from __future__ import annotations
@@ -40,14 +41,6 @@ def test_a_parameter_no_shard_fills_is_named(vroot: Path, tmp_path: Path, meta_d
     err = refused(capfd, meta_dir("llama"), 1, model_loader_extra_config={"shards": str(tmp_path / "w")})
     assert ("1 vLLM parameters were not filled whole by the shard: model.layers.1.mlp.down_proj.weight "
             "(0 of 32768 elements)") in err
-
-
-def test_rank_files_cut_transformers_way_are_refused(vwritten: Callable[..., Path], meta_dir: Callable[[str], Path],
-                                                     capfd: pytest.CaptureFixture[str]) -> None:
-    shards = vwritten("qwen2", 1, layout=None)  # vocab 1000: transformers' cut keeps 1000 rows, vLLM holds 1024
-    err = refused(capfd, meta_dir("qwen2"), 1, model_loader_extra_config={"shards": str(shards)})
-    assert "model.embed_tokens.weight was cut with transformers' vocabulary split, not vLLM's" in err
-    assert "reshard write CKPT --tp 1 --layout vllm -o DIR" in err
 
 
 def test_pipeline_parallelism_is_refused(vserver: object, meta_dir: Callable[[str], Path],
