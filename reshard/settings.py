@@ -18,8 +18,9 @@ class LibrarySettings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="RESHARD_", extra="ignore")
 
-    plan_source: str = Field("auto", description="TP plans: `auto` (the installed transformers when its version "
-                             "differs from the shipped table's), `live` (always the installed one), `table`")
+    plan_source: str = Field("table", description="TP plans: `table` (the shipped table, whatever transformers is "
+                             "installed), `live` (the installed transformers), `auto` (the installed one when its "
+                             "version differs from the table's)")
     mla: str = Field("", description="`heads`: split DeepSeek-style MLA attention by heads (transformers replicates it)")
     store_inflight: int = Field(64 << 20, ge=1, description="bytes a store-backed stream fetches ahead of its reader")
     store_concurrency: int = Field(16, ge=1, description="store requests in flight, all streams of a process together")

@@ -17,6 +17,7 @@ service and hardening folders, whose conftest.py add their own `server` (one wor
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,10 @@ import pytest
 from tests.support.live import BIG, SMALL_CKPTS, CuttingProxy, make_ckpt
 
 TIERS = ("pure", "multiproc", "servers", "e2e")
+
+# tests/vllm runs in the vLLM environment (`./run test` sets up .venv-vllm and runs it there); without vLLM
+# installed the folder is not collected (its conftest points vLLM's paths at a temporary directory)
+collect_ignore = [] if importlib.util.find_spec("vllm") else ["vllm"]
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects: every collected test is checked, whatever runs

@@ -18,6 +18,7 @@ from reshard.io.writer import write_shards as write_to_dir
 from reshard.layout.mesh import Layout
 from reshard.plan.planner import make_plan
 from reshard.plan.types import Plan, plan_to_json, rank_file_name
+from reshard.rules.engines import known_engines
 
 
 def parse_ranks(text: str) -> list[int]:
@@ -29,7 +30,7 @@ def parse_ranks(text: str) -> list[int]:
 
 
 def _plan(args: argparse.Namespace, *, lazy: bool = False) -> tuple[Any, Plan]:
-    ckpt, manifest = open_source(args.checkpoint, rules=args.rules)
+    ckpt, manifest = open_source(args.checkpoint, rules=args.rules, engine=args.engine)
     ranks = parse_ranks(args.ranks) if getattr(args, "ranks", None) else None
     plan = make_plan(ckpt, manifest, layout_of(args), ranks=ranks, strict=args.strict, lazy=lazy)
     for w in plan.warnings:
@@ -101,6 +102,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     add_layout_flags(p)
     p.add_argument("--rules", help="rule manifest (YAML/JSON); default: reshard-rules.yaml beside it, else config.json")
     p.add_argument("--strict", action="store_true", help="rules that match no tensor are errors")
+    p.add_argument("--engine", choices=known_engines(),
+                   help="cut each rank the way an inference engine holds it (vllm: its vocabulary split; docs/vllm.md)")
 
 
 def add_commands(sub: Any) -> None:
@@ -120,9 +123,14 @@ def add_commands(sub: Any) -> None:
 def cmd_pull(args: argparse.Namespace) -> int:
     from reshard.io.client import ShardClient  # httpx only when pulling
 
+    if args.meta:
+        return _pull_meta(args)
     layout = layout_of(args)
+    if args.rank is None:
+        raise PlanError("reshard pull: give --rank (and the layout: --tp ...) for a rank's shard, or --meta -o DIR "
+                        "(config and tokenizer)")
     layout.check_rank(args.rank)
-    with ShardClient(args.url, token=args.token, retries=args.retries, rules=args.rules) as client:
+    with ShardClient(args.url, token=args.token, retries=args.retries, rules=args.rules, engine=args.engine) as client:
         out = args.out or rank_file_name(args.rank, layout.world)
         result = client.pull(args.rank, layout if not layout.tp_only else layout.tp, out, progress=args.progress,
                              resume=not args.no_resume)
@@ -136,12 +144,27 @@ def cmd_pull(args: argparse.Namespace) -> int:
     return 0
 
 
+def _pull_meta(args: argparse.Namespace) -> int:
+    from reshard.io.client import ShardClient
+
+    if not args.out:
+        raise PlanError("reshard pull --meta: give the directory to copy the files into with -o DIR")
+    with ShardClient(args.url, token=args.token, retries=args.retries) as client:
+        files = client.pull_meta(args.out)
+    names = ", ".join(f["name"] for f in files) or "none"
+    print(f"pulled {len(files)} small files ({names}) -> {args.out}", file=sys.stderr)
+    return 0
+
+
 def _add_pull(sub: Any) -> None:
     p = sub.add_parser("pull", help="download one rank shard from `reshard serve` (resumable, verified)")
     p.add_argument("url", help="checkpoint URL, http://HOST:PORT/v1/checkpoints/NAME")
-    p.add_argument("--rank", type=int, required=True, help="global rank, 0..world-1")
+    p.add_argument("--rank", type=int, help="global rank, 0..world-1")
     add_layout_flags(p)
-    p.add_argument("-o", "--out", help="output file (default rank-RRRRR-of-WWWWW.safetensors)")
+    p.add_argument("--meta", action="store_true",
+                   help="instead of a shard: the checkpoint's config.json, tokenizer and generation config into -o DIR")
+    p.add_argument("--engine", choices=known_engines(), help="a shard cut the way an engine holds it (docs/vllm.md)")
+    p.add_argument("-o", "--out", help="output file (default rank-RRRRR-of-WWWWW.safetensors); with --meta a directory")
     p.add_argument("--token", help="bearer token (default $RESHARD_TOKEN)")
     p.add_argument("--rules", help="label of a manifest stored on the server")
     p.add_argument("--retries", type=int, default=5, help="tries after a failure without progress (default 5)")

@@ -25,21 +25,24 @@ from reshard.plan.types import rank_file_name
 
 def open_rank_stream(
     source: str | Path, rank: int, layout: Layout | int, *, token: str | None = None, need_config: bool = True,
+    rules: str | None = None, engine: str | None = None,
 ) -> tuple[dict[str, Any] | None, Iterator[Any], str | None, str]:
     """(config, byte chunks of this rank's file, expected sha256 or None, a name for errors).
 
     `source` is a shard directory, the service's checkpoint URL, or one rank file (whose own header
     says its rank and layout); `layout` a `Layout` or tp alone. The config is None only when absent and
-    `need_config` is false."""
+    `need_config` is false; it is not fetched from a URL unless needed. `rules` (a stored label) and
+    `engine` choose the service's cut."""
     layout = layout if isinstance(layout, Layout) else Layout(tp=layout)
     if is_url(source):
         config = None
         if need_config:
-            with ShardClient(str(source), token=token) as client:
+            with ShardClient(str(source), token=token, rules=rules, engine=engine) as client:
                 config = client.info().get("config")
             if not isinstance(config, dict):
                 config = _no_config(f"{source}: the checkpoint has no config.json", need_config)
-        body = ShardBody(str(source), rank, layout.tp if layout.tp_only else layout, token=token)
+        body = ShardBody(str(source), rank, layout.tp if layout.tp_only else layout, token=token, rules=rules,
+                         engine=engine)
         return config, body, None, body.name
     path = Path(source)
     root = path.parent if path.is_file() else path

@@ -138,12 +138,6 @@ def fill_parameters(
         direct = t.device.type == "cpu" and t.dtype == src_dtype and t.is_contiguous()
         plans.append((name, t, src_dtype, direct))
 
-    def chunks() -> Iterator[memoryview]:
-        if leftover:
-            yield memoryview(leftover)
-        for c in rest:
-            yield memoryview(c)
-
     done: list[str] = []  # names fully written; `partial` the one whose bytes began to land
     partial: list[str] = []
     try:
@@ -151,7 +145,7 @@ def fill_parameters(
             _read_in(header, plans, rest, quant, targets, done, partial, sha256=sha256)
         else:
             sha = hashlib.sha256(header.raw) if sha256 else None
-            _copy(header, plans, chunks(), sha, quant, targets, done, partial)
+            _copy(header, plans, _chunks(leftover, rest), sha, quant, targets, done, partial)
             _verify(header, sha.hexdigest() if sha is not None else None, sha256)
     except ReshardError as e:  # a truncated or corrupt stream, or a failed download: say what was written
         half = f" and {partial[0]} in part" if partial and partial[0] not in done else ""
@@ -199,22 +193,9 @@ def _copy(header: RankHeader, plans: list[tuple[str, torch.Tensor, torch.dtype, 
     pending = memoryview(b"")
     for name, t, src_dtype, direct in plans:
         staging = t if direct else torch.empty(t.shape, dtype=src_dtype)
-        dst = byte_view(staging) if staging.numel() else memoryview(bytearray())
-        got = 0
-        while got < len(dst):
-            if not pending:
-                try:
-                    pending = next(it)
-                except StopIteration:
-                    raise IntegrityError(f"{header.source}: stream ended inside tensor {name}") from None
-                if sha is not None:
-                    sha.update(pending)
-            n = min(len(pending), len(dst) - got)
-            dst[got : got + n] = pending[:n]
-            pending = pending[n:]
-            got += n
-            if direct:
-                partial[:] = [name]
+        if direct:
+            partial[:] = [name]
+        pending = _take(staging, pending, it, sha, f"{header.source}: stream ended inside tensor {name}")
         if not direct:
             for target, value in quant.feed(name, staging):  # an FP8 weight: dequantized
                 into(targets[target], value, name=target)
@@ -222,6 +203,53 @@ def _copy(header: RankHeader, plans: list[tuple[str, torch.Tensor, torch.dtype, 
     # exhaust the stream (an HTTP client verifies its digest at the end); nothing may follow
     if len(pending) or any(len(c) for c in it):
         raise IntegrityError(f"{header.source}: bytes after the last tensor")
+
+
+def iter_tensors(header: RankHeader, rest: Iterable[memoryview | bytes], *, sha256: str | None = None,
+                 leftover: bytes | bytearray = b"") -> Iterator[tuple[str, torch.Tensor]]:
+    """Each tensor of the stream, in file order, as a CPU tensor of its own (one tensor's bytes in memory
+    at a time), for an engine that takes `(name, tensor)` pairs; the stream must end after the last
+    tensor and, with `sha256`, hash (header included) to it, checked before the last pair is handed out."""
+    order = sorted(header.entries.items(), key=lambda kv: kv[1]["data_offsets"][0])
+    sha = hashlib.sha256(header.raw) if sha256 else None
+    chunks = _chunks(leftover, rest)
+    pending, last = memoryview(b""), None
+    for name, e in order:
+        t = torch.empty(e["shape"], dtype=TORCH_DTYPES[e["dtype"]])
+        pending = _take(t, pending, chunks, sha, f"{header.source}: stream ended inside tensor {name}")
+        if last is not None:
+            yield last
+        last = (name, t)
+    if len(pending) or any(len(c) for c in chunks):
+        raise IntegrityError(f"{header.source}: bytes after the last tensor")
+    if sha is not None and sha.hexdigest() != sha256:
+        raise IntegrityError(f"{header.source}: sha256 {sha.hexdigest()} does not match the recorded {sha256}")
+    if last is not None:
+        yield last
+
+
+def _chunks(leftover: bytes | bytearray, rest: Iterable[memoryview | bytes]) -> Iterator[memoryview]:
+    if leftover:
+        yield memoryview(leftover)
+    for c in rest:
+        yield memoryview(c)
+
+
+def _take(t: torch.Tensor, pending: memoryview, it: Iterator[memoryview], sha: Any, ended: str) -> memoryview:
+    """Fill `t`'s bytes from `pending`, then from `it` (hashing what it takes when `sha`); what is left over."""
+    dst = byte_view(t) if t.numel() else memoryview(bytearray())
+    got = 0
+    while got < len(dst):
+        if not pending:
+            pending = next(it, None)  # type: ignore[arg-type]
+            if pending is None:
+                raise IntegrityError(ended)
+            if sha is not None:
+                sha.update(pending)
+        n = min(len(pending), len(dst) - got)
+        dst[got : got + n] = pending[:n]
+        pending, got = pending[n:], got + n
+    return pending
 
 
 def into(target: torch.Tensor, staged: torch.Tensor, *, name: str) -> None:

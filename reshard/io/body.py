@@ -99,9 +99,9 @@ class ShardBody:
     """`GET .../shards/RANK?tp=TP` of the service, received into the caller's buffers (see the module)."""
 
     def __init__(self, checkpoint_url: str, rank: int, tp: int | Layout, *, token: str | None = None, timeout: float = 60.0,
-                 retries: int = 5, backoff: float = 0.25, rules: str | None = None) -> None:
+                 retries: int = 5, backoff: float = 0.25, rules: str | None = None, engine: str | None = None) -> None:
         self.client = ShardClient(checkpoint_url, token=token, retries=retries, timeout=timeout, backoff=backoff,
-                                  rules=rules)
+                                  rules=rules, engine=engine)
         self.rank, self.tp, self.timeout, self.retries, self.backoff = rank, tp, timeout, retries, backoff
         url = urlsplit(self.client.shard_url(rank))
         self._where = (url.scheme, url.hostname or "127.0.0.1", url.port)

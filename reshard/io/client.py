@@ -60,13 +60,13 @@ class ShardClient:
     """A client for one checkpoint URL `http://HOST:PORT/v1/checkpoints/NAME`."""
 
     def __init__(self, checkpoint_url: str, *, token: str | None = None, retries: int = 5, timeout: float = 60.0,
-                 backoff: float = 0.25, rules: str | None = None, verify: bool = True,
+                 backoff: float = 0.25, rules: str | None = None, engine: str | None = None, verify: bool = True,
                  transport: httpx.BaseTransport | None = None) -> None:
         url = checkpoint_url.rstrip("/")
         if not _CKPT_URL.match(url):
             raise ReshardError(f"{checkpoint_url!r} is not a checkpoint URL; expected http://HOST:PORT/v1/checkpoints/NAME")
         self.url, self.retries, self.backoff, self.verify = url, retries, backoff, verify
-        self.params = {"rules": rules} if rules else {}
+        self.params = {k: v for k, v in (("rules", rules), ("engine", engine)) if v}
         token = token if token is not None else os.environ.get(TOKEN_ENV) or None
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.timeout = timeout
@@ -104,6 +104,26 @@ class ShardClient:
                                               headers={"Range": "bytes=0-0", "Accept-Encoding": "identity"}))
         _, size = _body_span(r, 0)
         return ShardHead(size, r.headers["etag"], r.headers.get(SHA_HEADER))
+
+    def pull_meta(self, dest: str | os.PathLike[str]) -> list[dict[str, Any]]:
+        """Copy the checkpoint's small files (config.json, tokenizer, generation config) into the directory
+        `dest`, each verified against the server's sha256 and published with a rename; a file already
+        there with the same digest is kept. Returns the server's list (name, size, sha256)."""
+        dest = Path(dest)
+        files = self._json("GET", f"{self.url}/meta")["files"]
+        with made_dir(dest, for_file=dest / "config.json"), output_errors(dest, retry="run the same pull again"):
+            for f in files:
+                path = dest / f["name"]
+                if path.is_file() and path.stat().st_size == f["size"] and file_sha256(path) == f["sha256"]:
+                    continue
+                data = self._call(lambda f=f: self._http.get(f"{self.url}/meta/{f['name']}")).content
+                if hashlib.sha256(data).hexdigest() != f["sha256"]:
+                    raise IntegrityError(f"{self.url}/meta/{f['name']}: sha256 does not match the listing; pull again")
+                tmp = dest / f".{f['name']}.part"
+                tmp.write_bytes(data)
+                os.replace(tmp, path)
+            fsync_dir(dest)
+        return files
 
     def shard_url(self, rank: int) -> str:
         return f"{self.url}/shards/{rank}"

@@ -20,6 +20,7 @@ from reshard.format.checkpoint import INDEX_NAME, SINGLE_NAME, Checkpoint
 from reshard.io.remote_dir import RemoteDirectory
 from reshard.io.shards import ShardSet, has_rank_files, is_shard_dir
 from reshard.io.stores import RemotePath, is_url
+from reshard.rules.engines import apply_engine
 from reshard.rules.from_config import RULES_FILES, from_config, resolve_manifest
 from reshard.rules.manifest import Manifest
 
@@ -27,9 +28,15 @@ __all__ = ["checkpoint_manifest", "open_checkpoint", "open_shards", "open_source
 
 
 def open_source(
-    path: str | os.PathLike[str], *, rules: str | Path | None = None
+    path: str | os.PathLike[str], *, rules: str | Path | None = None, engine: str | None = None
 ) -> tuple[Checkpoint | ShardSet, Manifest]:
-    """Validate every header at `path` (a local path or a URL) and resolve its manifest."""
+    """Validate every header at `path` (a local path or a URL) and resolve its manifest, adjusted for an
+    `engine` (`reshard.rules.engines`: "vllm") when one is named."""
+    source, manifest = _open_source(path, rules)
+    return source, apply_engine(manifest, engine, list(source.global_tensors()) if engine else ())
+
+
+def _open_source(path: str | os.PathLike[str], rules: str | Path | None) -> tuple[Checkpoint | ShardSet, Manifest]:
     if is_url(path):
         return _open_remote(str(path), rules)
     p = Path(path)

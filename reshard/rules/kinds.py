@@ -24,8 +24,19 @@ if TYPE_CHECKING:
 
     from reshard.rules.manifest import Rule
 
-def split_interval(size: int, rank: int, tp: int, *, pad: bool = False, what: str = "dim") -> Interval:
-    """Rank's contiguous share of `size` indices; with `pad`, size is rounded up to a multiple of tp."""
+def split_interval(size: int, rank: int, tp: int, *, pad: bool = False, align: int | None = None,
+                   what: str = "dim") -> Interval:
+    """Rank's contiguous share of `size` indices; with `pad`, size is rounded up to a multiple of tp.
+
+    With `align` (vLLM's vocabularies: 64), size is first rounded up to a multiple of `align`, then split
+    evenly (it must divide by tp, as vLLM requires): rank r holds [r*chunk, (r+1)*chunk), zeros past `size`."""
+    if align:
+        padded = -(-size // align) * align
+        if padded % tp:
+            raise PlanError(f"{what} has size {size}, padded to {padded} (a multiple of align={align}), not "
+                            f"divisible by tp={tp}; pick tp dividing {padded}")
+        chunk = padded // tp
+        return (rank * chunk, (rank + 1) * chunk)
     if size % tp:
         if not pad:
             good = [d for d in (1, 2, 4, 8, 16, 32, 64) if size % d == 0]
@@ -103,8 +114,9 @@ class ReplicateLoader(SliceLoader):
 class DimShardLoader(SliceLoader):
     """Contiguous split along `dim`; optional zero padding to a multiple of tp; optional head blocks."""
 
-    def __init__(self, dim: int, *, pad: bool = False, heads: int | None = None, replicate_heads: bool = False) -> None:
-        self.dim, self.pad, self.heads, self.replicate_heads = dim, pad, heads, replicate_heads
+    def __init__(self, dim: int, *, pad: bool = False, heads: int | None = None, replicate_heads: bool = False,
+                 align: int | None = None) -> None:
+        self.dim, self.pad, self.heads, self.replicate_heads, self.align = dim, pad, heads, replicate_heads, align
 
     def select(self, shape: tuple[int, ...], rank: int, world_size: int) -> Selection:
         if self.dim >= len(shape):
@@ -114,7 +126,7 @@ class DimShardLoader(SliceLoader):
         if self.heads:
             iv = split_heads(size, self.heads, rank, world_size, replicate=self.replicate_heads, what=what)
         else:
-            iv = split_interval(size, rank, world_size, pad=self.pad, what=what)
+            iv = split_interval(size, rank, world_size, pad=self.pad, align=self.align, what=what)
         sel = list(full_selection(shape))
         sel[self.dim] = (iv,)
         return tuple(sel)
@@ -246,7 +258,7 @@ def _replicate(rule: Rule, suffix: str) -> ShardLoader:
 def _column(rule: Rule, suffix: str) -> ShardLoader:
     _bool_option(rule, "gather_output")  # a trainer-side option; checked here so typos fail early
     return DimShardLoader(0, pad=_bool_option(rule, "pad"), heads=_int_option(rule, "heads"),
-                          replicate_heads=_bool_option(rule, "replicate_heads"))
+                          replicate_heads=_bool_option(rule, "replicate_heads"), align=_align(rule))
 
 
 @register_loader("row")
@@ -257,9 +269,17 @@ def _row(rule: Rule, suffix: str) -> ShardLoader:
     return DimShardLoader(1, pad=_bool_option(rule, "pad"))
 
 
+def _align(rule: Rule) -> int | None:
+    """`align`: a vocabulary padded to a multiple of it, then split evenly (how vLLM holds it, `reshard.rules.engines`)."""
+    align = _int_option(rule, "align")
+    if align and _int_option(rule, "heads"):
+        raise PlanError(f"rule {rule.pattern!r}: `align` and `heads` exclude each other")
+    return align
+
+
 @register_loader("vocab_embed")
 def _vocab_embed(rule: Rule, suffix: str) -> ShardLoader:
-    return DimShardLoader(0, pad=_bool_option(rule, "pad"))
+    return DimShardLoader(0, pad=_bool_option(rule, "pad"), align=_align(rule))
 
 
 @register_loader("packed_column")

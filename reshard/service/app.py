@@ -28,7 +28,7 @@ from reshard.service.metrics import ServiceMetrics
 from reshard.service.middleware import DOC_PATHS, PUBLIC_PATHS, BearerAuth, BodyLimit, RequestMetrics
 from reshard.service.process import stop_on_signals
 from reshard.service.pump import DIRECT_MIN
-from reshard.service.routers import checkpoints, health, jobs, metrics, shards
+from reshard.service.routers import checkpoints, health, jobs, meta, metrics, shards
 from reshard.service.settings import Settings
 from reshard.service.state import StateDB
 from reshard.service.store_catalog import StoreCatalog
@@ -104,7 +104,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     # the token is checked by middleware (one place, every route); this declares it in the OpenAPI doc
     secured = [] if settings.token is None else [Depends(HTTPBearer(auto_error=False, description="--token"))]
     app.include_router(health.router)
-    for module in (checkpoints, shards, jobs, metrics):
+    for module in (checkpoints, meta, shards, jobs, metrics):
         app.include_router(module.router, dependencies=secured)
 
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes, exempt=_is_upload)

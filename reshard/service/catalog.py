@@ -9,6 +9,7 @@ ROOT/.reshard/rules/NAME/LABEL.json, a directory no checkpoint name can reach.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -29,6 +30,7 @@ from reshard.io.sources import checkpoint_manifest
 from reshard.layout.mesh import Layout
 from reshard.plan.planner import LayoutPlanner, as_layout, make_plan, make_planner, resolve_rules
 from reshard.plan.types import Plan, RankPlan
+from reshard.rules.engines import apply_engine
 from reshard.rules.manifest import Manifest
 from reshard.service.errors import BadRequest
 from reshard.service.settings import Settings
@@ -110,6 +112,7 @@ class Catalog:
         self._plans: LRU[tuple[Any, ...], tuple[str, RankPlan]] = LRU(settings.plan_cache)
         self._planners: LRU[tuple[Any, ...], tuple[str, LayoutPlanner]] = LRU(8)
         self._stored: LRU[tuple[str, int, int], Manifest] = LRU(256)
+        self._engines: LRU[tuple[Any, ...], Manifest] = LRU(64)
 
     # --- paths -------------------------------------------------------------------------------
 
@@ -205,10 +208,19 @@ class Catalog:
             self._stored.put(key, manifest)
         return manifest
 
-    def source(self, name: str, *, rules: str | None = None) -> ServedCheckpoint:
+    def source(self, name: str, *, rules: str | None = None, engine: str | None = None) -> ServedCheckpoint:
         """The checkpoint `name` and its manifest: `rules` (a stored label) if given, else the stored
-        default, else a rules file in its directory, else its config.json tp_plan."""
-        return self._source(name, *self._entry(name), rules)
+        default, else a rules file in its directory, else its config.json tp_plan; adjusted for an
+        `engine` (`reshard.rules.engines`) when one is named."""
+        src = self._source(name, *self._entry(name), rules)
+        if engine is None:
+            return src
+        key = (src.name, src.key, src.manifest.digest(), engine)
+        manifest = self._engines.get(key)
+        if manifest is None:
+            manifest = apply_engine(src.manifest, engine, list(src.ckpt.global_tensors()))
+            self._engines.put(key, manifest)
+        return dataclasses.replace(src, manifest=manifest)
 
     def _source(self, name: str, entry: _Entry, key: StatKey, rules: str | None) -> ServedCheckpoint:
         if rules is not None:

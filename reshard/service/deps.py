@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import anyio.to_thread
 from fastapi import Depends, Path, Query, Request
@@ -82,4 +82,6 @@ def layout_query(tp: TP, pp: Annotated[Size, Query(description="pipeline stages"
 LayoutDep = Annotated[Layout, Depends(layout_query)]
 Rules = Annotated[str | None, Query(description="label of a stored manifest to use instead",
                                     json_schema_extra=_NAME_DOC)]
+Engine = Annotated[Literal["vllm"] | None, Query(
+    description="cut each rank the way an inference engine holds it (`vllm`: its vocabulary split, docs/vllm.md)")]
 Label = Annotated[str, Query(description="label to store the manifest under", json_schema_extra=_NAME_DOC)]

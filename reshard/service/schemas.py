@@ -41,6 +41,17 @@ class TensorOut(BaseModel):
     file: str
 
 
+class MetaFileOut(BaseModel):
+    name: str
+    size: int
+    sha256: str
+
+
+class MetaList(BaseModel):
+    name: str
+    files: list[MetaFileOut] = Field(description="the checkpoint's small files (config, tokenizer) it has")
+
+
 class RulesOut(BaseModel):
     source: str | None = Field(description="where the manifest comes from (stored, rules file, config.json)")
     digest: str | None

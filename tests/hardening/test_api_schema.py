@@ -33,6 +33,7 @@ CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
 OPERATIONS = {  # every route of the app
     "GET /healthz", "GET /metrics", "GET /v1/checkpoints", "GET /v1/checkpoints/{name}",
     "GET /v1/checkpoints/{name}/plan", "GET /v1/checkpoints/{name}/rules", "PUT /v1/checkpoints/{name}/rules",
+    "GET /v1/checkpoints/{name}/meta", "GET /v1/checkpoints/{name}/meta/{filename}",
     "PUT /v1/checkpoints/{name}/files/{filename}", "GET /v1/checkpoints/{name}/shards/{rank}",
     "HEAD /v1/checkpoints/{name}/shards/{rank}", "GET /v1/checkpoints/{name}/shards/{rank}/digest",
     "POST /v1/checkpoints/{name}/jobs", "GET /v1/jobs", "GET /v1/jobs/{job_id}",

@@ -77,8 +77,9 @@ def test_plan_names_its_source(tmp_path: Path, capsys: pytest.CaptureFixture[str
     monkeypatch.setenv(SOURCE_ENV, "table")
     rc, out_table, err = run_cli(["plan", ckpt, "--tp", 2, "--json"], capsys)
     assert (rc, err) == (0, "")
-    doc = json.loads(out_table)
-    assert doc["manifest_source"] == f"shipped plan table (transformers {transformers.__version__}) for model_type 'mistral'"
+    doc = json.loads(out_table)  # the default: the table, named as that version's plan when the versions agree
+    assert doc["manifest_source"] == (f"transformers {transformers.__version__} plan for model_type 'mistral' "
+                                      f"(the shipped table of that version)")
     # without transformers importable at all, the table plans the same ranks
     code = ("import sys; sys.modules['transformers'] = None; from reshard.cli import main; "
             f"sys.exit(main(['plan', {str(ckpt)!r}, '--tp', '2', '--json']))")

@@ -2,8 +2,9 @@
 
 `resolve_plan(config)` returns the plan entry for a config.json and a line naming where it came from,
 in this order: `base_model_tp_plan` inside config.json (the architecture's entry gives prefix and
-conversion mapping); the plan transformers declares for `model_type` (installed); the shipped table
-`table.json`, generated from transformers by `scripts/gen_plan_table.py` (it records the version).
+conversion mapping); the shipped table `table.json`, generated from transformers by
+`scripts/gen_plan_table.py` (it records the version); the installed transformers' plans only when
+`RESHARD_PLAN_SOURCE` says `live` (or `auto`), so a rank's bytes do not depend on what is installed.
 Rules files (`--rules`, `reshard-rules.*`) come before all of these, in `reshard.rules.manifest`.
 """
 
@@ -21,9 +22,10 @@ from reshard.settings import library_settings
 
 __all__ = ["PlanEntry", "resolve_plan", "entry_for", "table_entry", "live_entry", "load_table"]
 
-# `reshard.settings` plan_source: "table" ignores an installed transformers; "live" always reads it (by
-# default it is read only when its version differs from the table's: the same version's plans are the
-# table, byte for byte, as tests/plans checks, and reading them costs seconds of imports)
+# `reshard.settings` plan_source: "table" (the default) reads the shipped table only, so what a rank gets never
+# depends on the transformers installed beside reshard (an older one, pinned by vLLM, may plan MoE experts
+# otherwise); "live" always reads the installed transformers; "auto" reads it when its version differs
+# from the table's (the same version's plans are the table, byte for byte, as tests/plans checks)
 SOURCE_ENV = "RESHARD_PLAN_SOURCE"
 
 
@@ -33,18 +35,18 @@ def _live(model_type: str) -> PlanEntry | None:
 
 
 def entry_for(model_type: str) -> tuple[PlanEntry | None, str]:
-    """The plan entry for `model_type` and its source line (live transformers first, then the table)."""
-    mode, installed = library_settings().plan_source, transformers_version()
+    """The plan entry for `model_type` and its source line (the shipped table unless told otherwise)."""
+    mode = library_settings().plan_source
     if mode not in ("auto", "live", "table"):
-        raise ManifestError(f"{SOURCE_ENV}={mode!r}: expected auto, live or table")
-    if mode != "table" and installed is not None:
-        if mode == "auto" and installed == table_version() and table_entry(model_type) is not None:
-            return table_entry(model_type), (f"transformers {installed} plan for model_type {model_type!r} "
-                                              f"(the shipped table of that version)")
+        raise ManifestError(f"{SOURCE_ENV}={mode!r}: expected table, live or auto")
+    installed = transformers_version() if mode != "table" else None
+    if installed is not None and (mode == "live" or installed != table_version()):
         entry = _live(model_type)
         if entry is not None:
             return entry, f"transformers {installed} plan for model_type {model_type!r}"
     entry = table_entry(model_type)
+    if transformers_version() == table_version():
+        return entry, f"transformers {table_version()} plan for model_type {model_type!r} (the shipped table of that version)"
     return entry, f"shipped plan table (transformers {table_version()}) for model_type {model_type!r}"
 
 
@@ -57,11 +59,14 @@ def resolve_plan(config: dict[str, Any]) -> tuple[PlanEntry, str]:
         base = entry or PlanEntry(model_type=str(model_type), base_plan={}, lm_plan={"lm_head": "colwise_gather_output"})
         return dataclasses.replace(base, base_plan=dict(own)), "config.json base_model_tp_plan"
     if entry is None:
-        where = f"transformers {transformers_version()}" if transformers_version() else "no transformers installed"
+        live = library_settings().plan_source != "table" and transformers_version()
+        where = f", none in transformers {live}" if live else ""
+        also = "" if live or not transformers_version() else (
+            f", or set {SOURCE_ENV}=live to use the plans of the installed transformers {transformers_version()}")
         raise ManifestError(
-            f"config.json: model_type {model_type!r} has no TP plan anywhere (no base_model_tp_plan in config.json, "
-            f"none in {where}, none in the shipped table of {len(load_table()['plans'])} architectures from "
+            f"config.json: model_type {model_type!r} has no TP plan anywhere (no base_model_tp_plan in config.json"
+            f"{where}, none in the shipped table of {len(load_table()['plans'])} architectures from "
             f"transformers {table_version()}); write a rules file: put reshard-rules.yaml in the checkpoint "
-            f"directory or pass --rules FILE (see docs/manifest.md)"
+            f"directory or pass --rules FILE (see docs/manifest.md){also}"
         )
     return entry, source

@@ -20,7 +20,17 @@ from reshard.plan.planner import LayoutPlanner
 from reshard.plan.types import MAX_TP, Plan, plan_head, plan_to_json
 from reshard.rules.manifest import Manifest
 from reshard.service.catalog import DEFAULT_LABEL, plan_ranks_once
-from reshard.service.deps import CatalogDep, Label, LayoutDep, MetricsDep, Name, Rules, SettingsDep, off_loop
+from reshard.service.deps import (
+    CatalogDep,
+    Engine,
+    Label,
+    LayoutDep,
+    MetricsDep,
+    Name,
+    Rules,
+    SettingsDep,
+    off_loop,
+)
 from reshard.service.errors import BadRequest, error_responses
 from reshard.service.ranges import shard_etag
 from reshard.service.schemas import (
@@ -67,9 +77,9 @@ def get_checkpoint(name: Name, catalog: CatalogDep, rules: Rules = None) -> dict
     "`tensors=false`, or for one rank's shard headers).",
     responses=error_responses(400, 401, 404, 422),
 )
-async def get_plan(name: Name, layout: LayoutDep, catalog: CatalogDep, rules: Rules = None,
+async def get_plan(name: Name, layout: LayoutDep, catalog: CatalogDep, rules: Rules = None, engine: Engine = None,
                    tensors: Annotated[bool, Query(description="list every tensor of every rank")] = True) -> Response:
-    src = await off_loop(catalog.source, name, rules=rules)
+    src = await off_loop(catalog.source, name, rules=rules, engine=engine)
     count, world = len(src.ckpt.global_tensors()), layout.world
     if tensors and world * count > MAX_LISTED:
         at = f"tp={world}" if layout.tp_only else f"{layout.describe()} ({world} ranks)"

@@ -15,7 +15,7 @@ import anyio.to_thread
 from fastapi import APIRouter, Header, Path, Request, Response
 
 from reshard.plan.types import rank_file_name
-from reshard.service.deps import CatalogDep, DigestsDep, LayoutDep, MetricsDep, Name, Rules, StreamDep
+from reshard.service.deps import CatalogDep, DigestsDep, Engine, LayoutDep, MetricsDep, Name, Rules, StreamDep
 from reshard.service.errors import error_responses
 from reshard.service.ranges import etag_matches, list_header, parse_range, shard_etag, single_header
 from reshard.service.schemas import DigestOut
@@ -40,7 +40,7 @@ _SHARD_DOC = """The rank's safetensors file (`application/octet-stream`), stream
 
 def get_shard(
     request: Request, name: Name, rank: Rank, layout: LayoutDep, catalog: CatalogDep, digests: DigestsDep, ctx: StreamDep,
-    rules: Rules = None,
+    rules: Rules = None, engine: Engine = None,
     range_: Annotated[str | None, Header(alias="range")] = None,
     if_range: Annotated[str | None, Header()] = None,
     if_none_match: Annotated[str | None, Header()] = None,
@@ -49,7 +49,7 @@ def get_shard(
     range_ = single_header(request.headers, "range")
     if_range = single_header(request.headers, "if-range")
     if_none_match = list_header(request.headers, "if-none-match")
-    src = catalog.source(name, rules=rules)
+    src = catalog.source(name, rules=rules, engine=engine)
     digest, rp = catalog.rank_plan(src, layout, rank)
     etag = shard_etag(digest, rank)
     headers = {
@@ -100,8 +100,8 @@ for _method in ("GET", "HEAD"):
     responses=error_responses(400, 401, 404, 409, 422),
 )
 async def get_digest(name: Name, rank: Rank, layout: LayoutDep, catalog: CatalogDep, digests: DigestsDep,
-                     ctx: StreamDep, metrics: MetricsDep, rules: Rules = None) -> DigestOut:
-    src = await anyio.to_thread.run_sync(lambda: catalog.source(name, rules=rules))
+                     ctx: StreamDep, metrics: MetricsDep, rules: Rules = None, engine: Engine = None) -> DigestOut:
+    src = await anyio.to_thread.run_sync(lambda: catalog.source(name, rules=rules, engine=engine))
     digest, rp = await anyio.to_thread.run_sync(catalog.rank_plan, src, layout, rank)
     etag = shard_etag(digest, rank)
     sha, cached = await anyio.to_thread.run_sync(

@@ -1,0 +1,22 @@
+"""A checkpoint's small files: what an inference engine reads besides the weights (config, tokenizer).
+
+vLLM needs a local directory with `config.json` and the tokenizer even when every weight comes from a
+rank shard; the service serves these files (`GET /v1/checkpoints/NAME/meta`) and `reshard pull URL
+--meta -o DIR` (or the vLLM plugin) copies them. Only these names, each at most `MAX_META_BYTES`.
+"""
+
+from __future__ import annotations
+
+import re
+
+META_NAMES = (
+    "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+    "added_tokens.json", "tokenizer.model", "vocab.json", "vocab.txt", "merges.txt", "chat_template.jinja",
+    "chat_template.json", "preprocessor_config.json", "processor_config.json",
+)
+META_PATTERN = "^(" + "|".join(re.escape(n) for n in META_NAMES) + ")$"
+MAX_META_BYTES = 256 << 20  # the largest tokenizer.json files are tens of MB
+
+
+def is_meta_file(name: str) -> bool:
+    return name in META_NAMES

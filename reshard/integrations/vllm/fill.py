@@ -1,0 +1,206 @@
+"""A vLLM model's parameters filled from this rank's shard: vLLM's own name mapping, no narrowing.
+
+vLLM's default loader hands every rank each full checkpoint tensor; `model.load_weights` maps its name
+to a parameter (stacking q/k/v into `qkv_proj`, gate/up into `gate_up_proj`, experts into `w13`/`w2`)
+and the parameter's `weight_loader` narrows it by `tp_rank`. Here the tensors are this rank's slices
+already, so for the duration of one `model.load_weights` call every parameter's `weight_loader` is
+replaced by a `PreSharded` one: it finds the same place in the parameter that vLLM's loader would
+(`qkv_proj`'s "k" block, expert 3's gate half of `w13_weight`), checks that the slice fits it exactly,
+and copies. Afterwards every parameter must have been filled whole, once: anything else is one
+`PlanError` naming the parameters. The original loaders are put back, so vLLM's own reloads work.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from reshard.errors import CheckpointError, PlanError
+from reshard.fill.open import open_rank_stream
+from reshard.fill.stream import RankHeader, iter_tensors, read_header_from
+from reshard.integrations.vllm.places import place_for
+from reshard.rules.engines import VLLM_VOCAB_ALIGN, is_vocab_split
+
+_LIST = 6  # names shown per list in an error
+_FP8 = frozenset({"F8_E4M3", "F8_E5M2", "F8_E8M0"})
+
+
+@dataclass
+class VllmFillReport:
+    """What `fill_vllm_model` did: shard tensors loaded, vLLM parameters filled, bytes, seconds."""
+
+    source: str
+    rank: int
+    tp: int
+    tensors: int
+    parameters: int
+    bytes: int
+    seconds: float
+    skipped: list[str] = field(default_factory=list)  # shard tensors vLLM's load_weights did not ask for
+
+    def __str__(self) -> str:
+        skipped = f"; vLLM skipped {len(self.skipped)} ({', '.join(self.skipped[:_LIST])})" if self.skipped else ""
+        return (f"reshard: filled {self.parameters} vLLM parameters from {self.tensors} tensors, "
+                f"{self.bytes / 1e6:.1f} MB from {self.source} (rank {self.rank} of tp={self.tp}) "
+                f"in {self.seconds:.2f} s{skipped}")
+
+
+class _Ledger:
+    """Which shard tensor is being loaded, and how much of each parameter has been written."""
+
+    def __init__(self, params: dict[int, tuple[str, nn.Parameter]]) -> None:
+        self.params = params
+        self.current = ""
+        self.written: dict[int, int] = {}
+        self.regions: dict[int, set[Any]] = {}
+        self.used: set[str] = set()
+
+    def record(self, param: nn.Parameter, region: Any, numel: int) -> None:
+        name = self.params[id(param)][0]
+        seen = self.regions.setdefault(id(param), set())
+        if region in seen:
+            raise PlanError(f"{self.current}: {name} (block {region!r}) was filled twice; the shard has two tensors "
+                            "for one place in vLLM's model")
+        seen.add(region)
+        self.written[id(param)] = self.written.get(id(param), 0) + numel
+        self.used.add(self.current)
+
+    def unfilled(self) -> list[str]:
+        out = []
+        for pid, (name, p) in self.params.items():
+            want = int(getattr(p, "weight_loader_numel", p.numel()))
+            got = self.written.get(pid, 0)
+            if got != want:
+                out.append(f"{name} ({got} of {want} elements)")
+        return out
+
+
+def _named_params(model: nn.Module) -> dict[int, tuple[str, nn.Parameter]]:
+    """Each parameter once (a tied lm_head shares embed_tokens' parameter), by identity."""
+    out: dict[int, tuple[str, nn.Parameter]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        out.setdefault(id(p), (name, p))
+    return out
+
+
+def _install(params: dict[int, tuple[str, nn.Parameter]], ledger: _Ledger) -> dict[int, Any]:
+    """Swap every parameter's weight_loader for a pre-sharded one; the originals, to put back."""
+    originals: dict[int, Any] = {}
+    for pid, (name, p) in params.items():
+        originals[pid] = p.__dict__.get("weight_loader", _ABSENT)
+        p.weight_loader = PreSharded(name, p, getattr(p, "weight_loader", None), ledger)
+    return originals
+
+
+_ABSENT = object()
+
+
+def _restore(params: dict[int, tuple[str, nn.Parameter]], originals: dict[int, Any]) -> None:
+    for pid, (_name, p) in params.items():
+        old = originals.get(pid, _ABSENT)
+        if old is _ABSENT:
+            p.__dict__.pop("weight_loader", None)
+        else:
+            p.weight_loader = old
+
+
+class PreSharded:
+    """A parameter's weight_loader for tensors that are this rank's slice already (see the module docstring)."""
+
+    def __init__(self, name: str, param: nn.Parameter, original: Callable[..., Any] | None, ledger: _Ledger) -> None:
+        self.name, self.ledger = name, ledger
+        self.place = place_for(name, param, original)
+
+    def __call__(self, param: nn.Parameter, loaded_weight: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        """Called as vLLM calls the loader it stands for: `(param, loaded_weight[, shard_id])`, or for fused
+        experts `(param, loaded_weight, weight_name, shard_id, expert_id[, return_success])`, by position or
+        by keyword."""
+        loaded = loaded_weight
+        shard_id = kwargs.get("shard_id", kwargs.get("loaded_shard_id"))
+        expert_id, success = kwargs.get("expert_id"), kwargs.get("return_success", False)
+        if self.place.moe and len(args) >= 3:  # (weight_name, shard_id, expert_id[, return_success])
+            shard_id, expert_id = args[1], args[2]
+            success = args[3] if len(args) > 3 else success
+        elif args and shard_id is None:
+            shard_id = args[0]
+        dest, region = self.place(param, loaded, shard_id, expert_id)
+        if dest is None:  # an expert another rank holds (expert parallelism)
+            return False if success else None
+        if tuple(dest.shape) != tuple(loaded.shape):
+            raise PlanError(
+                f"{self.ledger.current}: has shape {list(loaded.shape)} in the shard, but its place in vLLM's "
+                f"{self.name} (block {region!r}) has shape {list(dest.shape)}: the shard was cut for another "
+                f"engine; pull it with engine=vllm (reshard write --engine vllm) or fix the stored rules")
+        with torch.no_grad():
+            dest.copy_(loaded)
+        self.ledger.record(param, region, dest.numel())
+        return True if success else None
+
+
+def _check_header(header: RankHeader, rank: int, tp: int, name: str) -> None:
+    if not header.layout.tp_only:
+        raise CheckpointError(f"{name}: is a shard of {header.layout.describe()}; vLLM workers load tensor-parallel "
+                              f"shards: write them with `reshard write CKPT --tp {tp} --engine vllm -o DIR`; nothing "
+                              "was loaded")
+    if (header.tp, header.rank) != (tp, rank):
+        raise CheckpointError(f"{name}: is the shard of rank {header.rank} of tp={header.tp}, but this vLLM worker is "
+                              f"rank {rank} of tensor_parallel_size={tp}; give it rank {rank}'s shard of tp={tp} "
+                              f"(reshard write CKPT --tp {tp} --engine vllm -o DIR); nothing was loaded")
+    fp8 = sorted(n for n, e in header.entries.items() if e["dtype"] in _FP8)
+    if fp8:
+        raise CheckpointError(f"{name}: {fp8[0]} (and {len(fp8) - 1} more) is FP8; load_format='reshard' loads "
+                              "unquantized checkpoints only (FP8 needs vLLM's quantized parameters): use "
+                              "load_format='auto' for FP8 checkpoints")
+    misfit = [n for n, d in header.tensors.items() if _vocab_unaligned(d)]
+    if misfit:
+        raise CheckpointError(
+            f"{name}: {misfit[0]} was cut with transformers' vocabulary split, not vLLM's (padded to a multiple of "
+            f"{VLLM_VOCAB_ALIGN}, then split evenly); write the rank files with `reshard write CKPT --tp {tp} "
+            f"--engine vllm -o DIR` (or pull with engine=vllm); nothing was loaded")
+
+
+def _vocab_unaligned(desc: dict[str, Any]) -> bool:
+    options = desc.get("options") or {}
+    return is_vocab_split(str(desc.get("kind")), options) and options.get("align") != VLLM_VOCAB_ALIGN
+
+
+def fill_vllm_model(model: nn.Module, source: str | Path, *, rank: int, tp: int, token: str | None = None,
+                    rules: str | None = None) -> VllmFillReport:
+    """Fill `model` (built by vLLM, not yet loaded) with rank `rank` of `tp`'s shard of `source`: the
+    service's checkpoint URL (asked for `engine=vllm`) or a directory of rank files `reshard write
+    --engine vllm` wrote. See the module docstring."""
+    t0 = time.perf_counter()
+    _config, chunks, sha, name = open_rank_stream(source, rank, tp, token=token, need_config=False,
+                                                  rules=rules, engine="vllm")
+    header, leftover = read_header_from(chunks, name)
+    _check_header(header, rank, tp, name)
+    params = _named_params(model)
+    ledger = _Ledger(params)
+    originals = _install(params, ledger)
+    seen: list[str] = []
+    try:
+        model.load_weights(_tracked(iter_tensors(header, chunks, sha256=sha, leftover=leftover), ledger, seen))
+    finally:
+        _restore(params, originals)
+    unfilled = ledger.unfilled()
+    if unfilled:
+        raise PlanError(f"{name}: {len(unfilled)} vLLM parameters were not filled whole by the shard: "
+                        f"{', '.join(unfilled[:_LIST])}; the shard and vLLM's model disagree (another checkpoint, "
+                        "or rules that leave these tensors out)")
+    report = VllmFillReport(name, rank, tp, len(seen), len(params), header.total, time.perf_counter() - t0,
+                            skipped=[n for n in seen if n not in ledger.used])
+    model.reshard_fill_report = report  # for whoever asks the worker (collective_rpc), as vLLM keeps the model
+    return report
+
+
+def _tracked(pairs: Iterable[tuple[str, torch.Tensor]], ledger: _Ledger, seen: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, t in pairs:
+        ledger.current = name
+        seen.append(name)
+        yield name, t
