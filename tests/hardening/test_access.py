@@ -81,7 +81,7 @@ def _record(guarded: dict[str, Any], r: httpx.Response) -> httpx.Response:
 def test_every_route_needs_the_token(guarded: dict[str, Any]) -> None:
     srv, root, out = guarded["srv"], guarded["root"], guarded["out"]
     ops = _operations(srv)
-    assert len(ops) == 14 and {"PUT", "POST", "HEAD"} <= {m for m, _, _ in ops}
+    assert len(ops) == 16 and {"PUT", "POST", "HEAD"} <= {m for m, _, _ in ops}
     before = tree(root), tree(out) if out.exists() else {}
     with httpx.Client(base_url=srv.url, timeout=30) as http:
         for method, url, kw in ops:
