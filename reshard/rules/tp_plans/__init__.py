@@ -11,7 +11,6 @@ Rules files (`--rules`, `reshard-rules.*`) come before all of these, in `reshard
 from __future__ import annotations
 
 import dataclasses
-from functools import lru_cache
 from typing import Any
 
 from reshard.errors import ManifestError
@@ -29,11 +28,6 @@ __all__ = ["PlanEntry", "resolve_plan", "entry_for", "table_entry", "live_entry"
 SOURCE_ENV = "RESHARD_PLAN_SOURCE"
 
 
-@lru_cache(maxsize=256)
-def _live(model_type: str) -> PlanEntry | None:
-    return live_entry(model_type)
-
-
 def entry_for(model_type: str) -> tuple[PlanEntry | None, str]:
     """The plan entry for `model_type` and its source line (the shipped table unless told otherwise)."""
     mode = library_settings().plan_source
@@ -41,7 +35,7 @@ def entry_for(model_type: str) -> tuple[PlanEntry | None, str]:
         raise ManifestError(f"{SOURCE_ENV}={mode!r}: expected table, live or auto")
     installed = transformers_version() if mode != "table" else None
     if installed is not None and (mode == "live" or installed != table_version()):
-        entry = _live(model_type)
+        entry = live_entry(model_type)
         if entry is not None:
             return entry, f"transformers {installed} plan for model_type {model_type!r}"
     entry = table_entry(model_type)

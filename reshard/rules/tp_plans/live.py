@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import io
 import warnings
+from functools import lru_cache
 from typing import Any
 
 from reshard.rules.tp_plans.entry import SIZE_KEYS, PlanEntry
@@ -86,8 +87,10 @@ def serialize_conversion(model_type: str, class_name: str | None = None) -> list
     return out
 
 
+@lru_cache(maxsize=512)
 def live_entry(model_type: str) -> PlanEntry | None:
-    """The entry transformers declares for `model_type`, or None (no transformers, no plan)."""
+    """The entry transformers declares for `model_type`, or None (no transformers, no plan); read once per
+    process (building each architecture on meta for its persistent buffers costs ~0.1 s)."""
     try:
         transformers = _quiet_import()
         from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
