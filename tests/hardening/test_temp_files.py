@@ -26,25 +26,13 @@ import torch
 from safetensors.torch import save
 
 from tests.support.fs import Mount, mounted
-from tests.support.hard import live_server, wait_for
-from tests.support.live import LiveServer, make_ckpt, process_tree
+from tests.support.hard import live_server, wait_for, workers
+from tests.support.live import LiveServer, make_ckpt
 
 pytestmark = [pytest.mark.servers, pytest.mark.timeout(300)]
 
 SIZES = {"hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 1, "vocab_size": 2048,
          "num_attention_heads": 8, "num_key_value_heads": 8}  # ~68 MB float32: one rank file at tp=1
-
-
-def workers(srv: LiveServer) -> list[int]:
-    """The worker processes of a `--workers N` server (not the supervisor, not multiprocessing's tracker)."""
-    out = []
-    for pid in process_tree(srv.proc.pid)[1:]:
-        try:
-            if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
-                out.append(pid)
-        except OSError:
-            continue
-    return out
 
 
 def holder(srv: LiveServer, path: Path) -> int | None:

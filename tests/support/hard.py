@@ -4,6 +4,8 @@
     live_server(root, ...)                    `live.live_server` with --workers 2 (WORKERS)
     verbose_server(root, token=..., out=...)  `reshard serve` logging everything (trace level, access log)
     metric(srv, prefix), fd_count(pid), rss_anon(pid), tree(path), wait_for(pred), raw_http(srv, head)
+    workers(srv)                              the worker processes of a `--workers N` server
+    cpu_hog(n)                                `n` processes spinning on the CPU while the block runs
 """
 
 from __future__ import annotations
@@ -44,6 +46,38 @@ def verbose_server(root: Path, *, token: str, out: Path, log_path: Path) -> Iter
         yield srv
     finally:
         _stop(proc)
+
+
+def workers(srv: LiveServer) -> list[int]:
+    """The worker processes of a `--workers N` server (not the supervisor, not multiprocessing's tracker)."""
+    out = []
+    for pid in process_tree(srv.proc.pid)[1:]:
+        try:
+            if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                out.append(pid)
+        except OSError:
+            continue
+    return out
+
+
+@contextlib.contextmanager
+def cpu_hog(n: int = 2) -> Iterator[list[int]]:
+    """`n` processes spinning on the CPU until the block ends (a machine whose cores other jobs take);
+    their pids. Each is checked to be running when the block starts."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    try:
+        assert wait_for(lambda: all(_cpu_ticks(p.pid) > 0 for p in procs), timeout=30), "the hog did not start"
+        yield [p.pid for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait(timeout=30)
+
+
+def _cpu_ticks(pid: int) -> int:
+    """User + system CPU time of `pid` so far, in clock ticks."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])
 
 
 def metric(srv: LiveServer, prefix: str) -> float:
