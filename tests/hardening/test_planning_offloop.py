@@ -282,3 +282,20 @@ def test_two_range_headers_answer_400(client: TestClient) -> None:
     assert one.status_code == 206 and one.headers["content-range"].startswith("bytes 10-19/") and len(one.content) == 10
     assert client.get(url, headers=[("If-None-Match", '"x"'), ("If-None-Match", etag)]).status_code == 304
     assert client.get(url, headers=[("Range", "bytes=0-1,5-6")]).status_code == 200  # several ranges: the whole body
+
+
+@pytest.mark.pure
+def test_the_degrees_a_rules_put_validates_are_bounded(client: TestClient) -> None:
+    """`PUT .../rules?tp=` plans every degree it is given: 64 values of 4096 were a hundred seconds of
+    one worker's planning. Now duplicates count once, and one request validates at most 8 degrees of at
+    most 4096 ranks in all (what the largest single plan costs)."""
+    url = "/v1/checkpoints/tiny/rules?label=pad&"
+    ok = client.put(url + "&".join(f"tp={t}" for t in [*range(1, 9), *[8] * 50]), json=PAD_ALL)
+    assert ok.status_code == 200, ok.text
+    assert ok.json()["digest"] == Manifest.from_dict(PAD_ALL).digest()
+    for degrees, why in [(range(1, 10), "tp=1,2,3,4,5,6,7,8,9: 9 degrees of 45 ranks in all"),
+                         ((4095, 2, 2), "tp=2,4095: 2 degrees of 4097 ranks in all")]:
+        r = client.put(url + "&".join(f"tp={t}" for t in degrees), json=PAD_ALL)
+        assert r.status_code == 400, r.text
+        assert r.json() == {"error": "BadRequest", "detail": f"{why}; one request validates at most 8 degrees of "
+                            "at most 4096 ranks in all: send the others in another request"}
