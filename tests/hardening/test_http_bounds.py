@@ -299,3 +299,21 @@ def test_refused_pipelined_head_does_not_cut_the_response_in_progress(srv: LiveS
     assert head.startswith(b"HTTP/1.1 200 "), raw[:300]
     assert len(body) == size, f"{len(body)} of {size} bytes, then {body[size:size + 200]!r}"
     assert httpx.get(srv.url + "/healthz", timeout=10).status_code == 200
+
+
+def test_two_range_headers_answer_400_on_every_worker(srv: LiveServer) -> None:
+    """Issue 26, 10d, on the real server: two `Range` lines answer 400 with the JSON body on each worker
+    (the first one won silently), one of them alone answers 206."""
+    url = "/v1/checkpoints/llama/shards/0?tp=2"
+    auth = f"Authorization: Bearer {TOKEN}\r\n"
+    for sock in _on_every_worker(srv):
+        with sock:
+            sock.sendall(f"GET {url} HTTP/1.1\r\nHost: x\r\n{auth}Range: bytes=0-9\r\nRange: bytes=10-19\r\n"
+                         "Connection: close\r\n\r\n".encode())
+            status, _, body = _json_answer(_read_all(sock, 30)[0])
+        assert (status, body) == (400, {"error": "BadRequest", "detail": "2 Range header lines ('bytes=0-9', "
+                                        "'bytes=10-19'); send one (a `Range` field may not be repeated, RFC 9110 "
+                                        "section 5.3)"}), body
+    whole = httpx.get(srv.url + url, headers=srv.headers(), timeout=30).content
+    one = httpx.get(srv.url + url, headers={**srv.headers(), "Range": "bytes=10-19"}, timeout=30)
+    assert one.status_code == 206 and one.content == whole[10:20]

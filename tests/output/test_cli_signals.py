@@ -2,7 +2,11 @@
 one line, exit status 128 + the signal. To a local directory: no `.tmp-*` file left, and the output
 directory it made for the run is gone again; to `s3://` (moto): no open multipart upload, no object.
 The source is served slowly (a throttling proxy in front of a static Range server), so "mid-write" is
-a state the test waits for, not a guess. And a write that fails for want of room leaves no directory."""
+a state the test waits for, not a guess. And a write that fails for want of room leaves no directory.
+
+`reshard pull` stopped mid-download the same way keeps what it has (`.NAME.part` and `.NAME.part.json`:
+what it resumes from), says so in one line, exits 128 + the signal, and the same pull then resumes and
+gives the shard `reshard write` gives."""
 
 from __future__ import annotations
 
@@ -23,7 +27,7 @@ from reshard.io.writer import PARTIAL_NAME
 from reshard.plan.types import rank_file_name
 from tests.support.fs import Mount, assert_clean, reshard
 from tests.support.hard import ThrottledProxy, wait_for
-from tests.support.live import REPO, make_ckpt
+from tests.support.live import REPO, live_server, make_ckpt
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(240)]
 
@@ -121,3 +125,50 @@ def test_write_without_room_leaves_no_directory(fs: Mount, ckpt: Path) -> None:
     (fs.path / "there").mkdir()  # a directory that was there before stays, empty as it was
     assert_clean(reshard("write", ckpt, "--tp", 2, "-o", fs.path / "there", "--no-progress"), "MB free")
     assert sorted(p.name for p in (fs.path / "there").iterdir()) == []
+
+
+@pytest.fixture(scope="module")
+def slow_service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+    """A `reshard serve` of the checkpoint behind the throttling proxy: (its checkpoint URL, the tp=2
+    rank 0 `reshard write` gives)."""
+    from reshard.cli import main
+
+    root = tmp_path_factory.mktemp("pull-signals") / "root"
+    make_ckpt(root / "mid", **SIZES)
+    ref = root.parent / "ref"
+    assert main(["write", str(root / "mid"), "--tp", "2", "-o", str(ref), "--no-progress"]) == 0
+    with live_server(root, log_dir=root.parent) as srv:
+        host, port = srv.url.removeprefix("http://").split(":")
+        with ThrottledProxy((host, int(port)), rate=RATE, rcvbuf=64 << 10) as proxy:
+            yield f"{proxy.url}/v1/checkpoints/mid", ref / RANK0
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "sigint"])
+def test_pull_stopped_mid_download_keeps_its_partial_file_and_resumes(slow_service: tuple[str, Path], tmp_path: Path,
+                                                                      sig: signal.Signals) -> None:
+    url, want = slow_service
+    dest = tmp_path / "dl" / RANK0
+    part, meta = dest.with_name(f".{RANK0}.part"), dest.with_name(f".{RANK0}.part.json")
+    cmd = [sys.executable, "-m", "reshard.cli", "pull", url, "--rank", "0", "--tp", "2", "-o", str(dest), "--no-progress"]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        got_bytes = wait_for(lambda: proc.poll() is not None or (part.exists() and part.stat().st_size > 1 << 20),
+                             timeout=90, step=0.01)
+        assert got_bytes and proc.poll() is None, ("the pull ended before it could be stopped", proc.poll())
+        proc.send_signal(sig)
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 128 + sig, (proc.returncode, stderr)
+    assert stdout == "" and stderr.splitlines() == [f"reshard: interrupted by {sig.name}"], stderr
+    kept = part.stat().st_size
+    assert not dest.exists() and 1 << 20 <= kept < want.stat().st_size and meta.is_file()
+    assert part.read_bytes() == want.read_bytes()[:kept]  # what it kept is the shard's beginning
+    again = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0, again.stderr
+    assert "resumed at" in again.stderr, again.stderr
+    assert dest.read_bytes() == want.read_bytes()
+    assert sorted(p.name for p in dest.parent.iterdir()) == [RANK0]  # no .part, no .part.json
