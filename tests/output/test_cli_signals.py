@@ -14,7 +14,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +75,23 @@ def _writing_locally(out: Path, pid: int) -> bool:
     return any(p.name.startswith(f"{TMP_PREFIX}{pid}-") and p.stat().st_blocks > 0 for p in names)
 
 
+def _stopped_midway(cmd: list[str], env: dict[str, str], midway: Callable[[int], bool], sig: signal.Signals) -> None:
+    """Run `cmd`, send it `sig` once `midway(its pid)` holds; it must exit by itself with 128 + the
+    signal (not die by it) and say so in one line, and nothing else."""
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        started = wait_for(lambda: proc.poll() is not None or midway(proc.pid), timeout=90, step=0.01)
+        assert started and proc.poll() is None, ("the command ended before it could be stopped", proc.poll())
+        proc.send_signal(sig)
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 128 + sig, (proc.returncode, stderr)  # its own exit, not death by the signal
+    assert stdout == "" and stderr.splitlines() == [f"reshard: interrupted by {sig.name}"], stderr
+
+
 def _open_uploads(boto: Any) -> list[str]:
     return [u["Key"] for u in boto.list_multipart_uploads(Bucket=BUCKET).get("Uploads", [])]
 
@@ -87,23 +104,11 @@ def test_write_stopped_mid_write_cleans_up(servers: dict[str, Any], tmp_path: Pa
     out_dir = tmp_path / "new" / "out"  # neither exists: the run makes both
     prefix = f"{where}-{sig.name.lower()}"
     out = str(out_dir) if where == "local" else f"s3://{BUCKET}/{prefix}"
-    proc = subprocess.Popen([sys.executable, "-m", "reshard.cli", "write", servers["src"], "--tp", "2", "-o", out,
-                             "--no-progress"], cwd=REPO, env=_env(servers["s3"]), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    try:
-        if where == "local":
-            started = wait_for(lambda: proc.poll() is not None or _writing_locally(out_dir, proc.pid), timeout=90, step=0.01)
-        else:
-            started = wait_for(lambda: proc.poll() is not None or bool(_open_uploads(boto)), timeout=90, step=0.05)
-        assert started and proc.poll() is None, ("the write ended before it could be stopped", proc.poll())
-        proc.send_signal(sig)
-        stdout, stderr = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-    assert proc.returncode == 128 + sig, (proc.returncode, stderr)  # its own exit, not death by the signal
-    assert stdout == "" and stderr.splitlines() == [f"reshard: interrupted by {sig.name}"], stderr
+    cmd = [sys.executable, "-m", "reshard.cli", "write", servers["src"], "--tp", "2", "-o", out, "--no-progress"]
+    if where == "local":
+        _stopped_midway(cmd, _env(servers["s3"]), lambda pid: _writing_locally(out_dir, pid), sig)
+    else:
+        _stopped_midway(cmd, _env(servers["s3"]), lambda pid: bool(_open_uploads(boto)), sig)
     assert _temps(tmp_path) == []
     if where == "local":
         left = sorted(os.listdir(out_dir)) if out_dir.exists() else []
@@ -151,19 +156,7 @@ def test_pull_stopped_mid_download_keeps_its_partial_file_and_resumes(slow_servi
     part, meta = dest.with_name(f".{RANK0}.part"), dest.with_name(f".{RANK0}.part.json")
     cmd = [sys.executable, "-m", "reshard.cli", "pull", url, "--rank", "0", "--tp", "2", "-o", str(dest), "--no-progress"]
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        got_bytes = wait_for(lambda: proc.poll() is not None or (part.exists() and part.stat().st_size > 1 << 20),
-                             timeout=90, step=0.01)
-        assert got_bytes and proc.poll() is None, ("the pull ended before it could be stopped", proc.poll())
-        proc.send_signal(sig)
-        stdout, stderr = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-    assert proc.returncode == 128 + sig, (proc.returncode, stderr)
-    assert stdout == "" and stderr.splitlines() == [f"reshard: interrupted by {sig.name}"], stderr
+    _stopped_midway(cmd, env, lambda pid: part.exists() and part.stat().st_size > 1 << 20, sig)
     kept = part.stat().st_size
     assert not dest.exists() and 1 << 20 <= kept < want.stat().st_size and meta.is_file()
     assert part.read_bytes() == want.read_bytes()[:kept]  # what it kept is the shard's beginning
