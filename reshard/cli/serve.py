@@ -24,7 +24,7 @@ def _settings(args: argparse.Namespace) -> Any:
         "gather_cache": args.gather_cache, "store_cache": args.store_cache, "store_cache_dir": args.store_cache_dir,
         "max_header_bytes": args.max_header_bytes,
         "max_headers": args.max_headers, "max_url_bytes": args.max_url_bytes,
-        "keep_alive_timeout": args.keep_alive_timeout,
+        "keep_alive_timeout": args.keep_alive_timeout, "worker_healthcheck_timeout": args.worker_healthcheck_timeout,
     }
     try:
         return Settings(**{k: v for k, v in flags.items() if v is not None})
@@ -83,6 +83,9 @@ def add_commands(sub: Any) -> None:
                    help="longest request target, path and query (default 8 KiB; 414 above it)")
     p.add_argument("--keep-alive-timeout", type=float, metavar="SECONDS",
                    help="idle connections close after it; a request head must arrive within it (default 30)")
+    p.add_argument("--worker-healthcheck-timeout", type=float, metavar="SECONDS",
+                   help="with --workers N: a worker that does not answer the supervisor's ping within it is "
+                        "killed and replaced (default 30)")
     p.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug", "trace"])
     p.add_argument("--public-docs", action="store_true", default=None, help="/docs without the token")
     p.add_argument("--no-access-log", action="store_true", help="do not log every request")

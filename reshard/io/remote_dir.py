@@ -6,7 +6,8 @@ only for a longer header) and go through the same validation as local files. Whe
 version of a file are `known` beforehand (the service's listing) and the node's store cache is on
 (`reshard.io.store_cache`), those reads go through the cache like the stream's. JSON files are fetched
 whole. Which files exist comes from a listing where the store can list (S3, GCS), else from
-index.json / the usual names (plain HTTP, the Hub).
+index.json / the usual names (plain HTTP, the Hub). A file whose version is a Last-Modified of the last
+two seconds is read again once it is older (`reshard.io.stores.settled`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from reshard.errors import CheckpointError
 from reshard.format.checkpoint import FileInfo, TensorInfo, header_bytes_wanted, header_from
 from reshard.io import store_cache
 from reshard.io.outfs import atomic_file, copy_atomic
-from reshard.io.stores import RemotePath, object_version, store_for
+from reshard.io.stores import RemotePath, object_version, settled, store_for
 
 SPECULATIVE = 128 << 10
 
@@ -77,7 +78,7 @@ class RemoteDirectory:
                 self._heads[name] = (self._read(name, 0, min(SPECULATIVE, size)), {"size": size, "e_tag": version})
                 return self._heads[name]
             try:
-                data, meta = self.store.get(self.key(name), 0, SPECULATIVE)
+                data, meta = settled(lambda: self.store.get(self.key(name), 0, SPECULATIVE), where=self.path(name).url)
                 self._heads[name] = (bytes(data), meta)
             except CheckpointError:  # no such object
                 self._heads[name] = None
@@ -125,7 +126,7 @@ class RemoteDirectory:
         out = {}
         for name in sorted(wanted):
             try:
-                _, meta = self.store.get(self.key(name), 0, 1)
+                _, meta = settled(lambda n=name: self.store.get(self.key(n), 0, 1), where=self.path(name).url)
             except CheckpointError:  # no such object
                 continue
             out[name] = (int(meta["size"]), object_version(meta, where=self.path(name).url))

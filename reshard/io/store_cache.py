@@ -12,7 +12,9 @@ process answers them.
   conditional on it, so a replaced object is a new key and its old blocks are never served for it.
 - One fetch per block: the fetch holds an exclusive `flock` on the block's lock file, and pulls that
   want the same block (any thread, any worker) wait on that lock, then read the file the fetch wrote.
-  A block is written under a temporary name and renamed whole: a partial block is never read.
+  A block is written under a temporary name and renamed whole: a partial block is never read. The
+  temporary name carries its writer (`.K.PID-START.THREAD`, `reshard.io.owners.owner_tag`): one that a
+  killed process left is removed at the next sweep, and a worker's start sweeps (`enable`).
 - Bounded: at most `max_bytes` of blocks; past it the least recently used are deleted (a reader that
   has a block open keeps reading it). A block that cannot be written (full disk, read-only) is still
   used from memory by the pull that fetched it, and the failure is logged once: the cache never fails
@@ -28,18 +30,20 @@ import contextlib
 import hashlib
 import logging
 import os
+import re
 import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from reshard.io.outfs import delete_oldest, flocked
+from reshard.io.owners import TAG, owner_gone, owner_tag
 
 log = logging.getLogger("reshard.io")
 
 BLOCK = 8 << 20  # bytes per cached block: one GET each
 _SWEEP_EVERY = 64 << 20  # bytes written between two looks at the cache's size
-_STALE = 3600.0  # seconds: a temporary block file this old was left by a killed process
+_STALE = 3600.0  # seconds: a temporary block file without its writer's tag (an older version's) this old is left
+_TEMP = re.compile(rf"^\.\d+\.(?:({TAG})|\d+)\.\d+$")  # .K.PID-START.THREAD (.K.PID.THREAD: an older version's)
 
 
 class StoreCache:
@@ -113,7 +117,7 @@ class StoreCache:
             yield
 
     def _store(self, where: Path, path: Path, data: memoryview) -> None:
-        tmp = where / f".{path.name}.{os.getpid()}.{threading.get_ident()}"
+        tmp = where / f".{path.name}.{owner_tag()}.{threading.get_ident()}"
         try:
             with open(tmp, "wb") as f:
                 f.write(data)
@@ -135,8 +139,9 @@ class StoreCache:
                 self._estimate = left
 
     def evict(self) -> int:
-        """Delete the least recently used blocks until at most `max_bytes` remain; the bytes left."""
-        blocks, now = [], time.time()
+        """Delete the temporary block files whose writer is gone, then the least recently used blocks
+        until at most `max_bytes` remain (less the blocks being written); the bytes left."""
+        blocks, writing, dead = [], 0, 0
         with flocked(self.dir / ".sweep.lock"):  # one sweep at a time, across the worker processes
             for sub in os.scandir(self.dir):
                 if not sub.is_dir(follow_symlinks=False):
@@ -146,13 +151,20 @@ class StoreCache:
                         st = e.stat()
                         if e.name.isdigit():
                             blocks.append((st.st_mtime, st.st_size, e.path))
-                        elif e.name.startswith(".") and now - st.st_mtime > _STALE:  # a dead writer's
-                            os.unlink(e.path)
-            left = delete_oldest(blocks, self.max_bytes)
+                        elif e.name.startswith("."):
+                            m = _TEMP.match(e.name)
+                            if owner_gone(Path(e.path), m.group(1) if m else None, ownerless_age=_STALE):
+                                os.unlink(e.path)
+                                dead += 1
+                            else:
+                                writing += st.st_size
+            left = delete_oldest(blocks, max(self.max_bytes - writing, 0))
             for _, _, path in blocks:  # the lock files of deleted blocks (a pull waiting on one may fetch it
                 if not os.path.exists(path):  # once more: harmless)
                     with contextlib.suppress(OSError):
                         os.unlink(path + ".lock")
+        if dead:
+            log.warning("store cache %s: removed %d temporary block files that killed processes left", self.dir, dead)
         return left
 
     def _count(self, what: str, n: int) -> None:

@@ -14,9 +14,10 @@ import datetime
 import os
 import re
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from reshard.errors import CheckpointError, SourceChangedError, StoreError, StoreUnavailableError
 from reshard.settings import library_settings
@@ -204,7 +205,8 @@ def _cause(text: str) -> str | None:
 
 
 def object_version(meta: dict[str, Any], *, where: str | None = None) -> str:
-    """What identifies one version of an object: its ETag, else its version id, else its mtime.
+    """What identifies one version of an object: its ETag, else its version id, else its mtime (taken
+    once it is `SETTLE` seconds old: see `settled`).
 
     A server that sends none of them (obstore then reports the Unix epoch as the mtime) is refused
     with a `StoreError`: a file rewritten there while it is read could not be told from the one
@@ -219,6 +221,39 @@ def object_version(meta: dict[str, Any], *, where: str | None = None) -> str:
     raise StoreError(f"{where or meta.get('path')}: the server sends no ETag and no Last-Modified, so a change to "
                      "the file while it is read could not be detected; serve it with a server that sends ETag or "
                      "Last-Modified (nginx, caddy, an object store), or copy the checkpoint to a local directory")
+
+
+SETTLE = 2.0  # seconds a Last-Modified must be old before it identifies a version (see `settled`)
+_SETTLE_TRIES = 3
+T = TypeVar("T")
+
+
+def settled(get: Callable[[], tuple[T, dict[str, Any]]], *, where: str) -> tuple[T, dict[str, Any]]:
+    """`get()` (data of an object and its metadata), taken when its version can be trusted.
+
+    Last-Modified has whole seconds: a file rewritten within the second it was last written keeps
+    it, so a version read in that second could be followed by other bytes under the same version
+    (a rank file of two versions). An object whose only validator is a Last-Modified less than
+    `SETTLE` seconds old (by this machine's clock: a server's clock within a second of it) is read
+    again once it is that old; from then on, any rewrite gives it another Last-Modified, which every
+    later read compares. One that is still that new after three reads is refused."""
+    for _ in range(_SETTLE_TRIES):
+        data, meta = get()
+        wait = _settling(meta)
+        if wait <= 0:
+            return data, meta
+        time.sleep(min(wait, SETTLE))
+    raise SourceChangedError(f"{where}: modified within {SETTLE:g} s of each of {_SETTLE_TRIES} reads (Last-Modified "
+                             f"{meta['last_modified'].isoformat()}, the server's only validator); retry once it is "
+                             "no longer being written, or serve it with ETags")
+
+
+def _settling(meta: dict[str, Any]) -> float:
+    """Seconds until the version in `meta` can be trusted (<= 0: now)."""
+    modified = meta.get("last_modified")
+    if meta.get("e_tag") or meta.get("version") or not isinstance(modified, datetime.datetime):
+        return 0.0
+    return modified.timestamp() + SETTLE - time.time() if modified.timestamp() > 0 else 0.0
 
 
 def _make_store(root: str, endpoint: str) -> Any:

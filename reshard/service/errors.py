@@ -79,7 +79,8 @@ _UNNAMED = {errno.ENOSPC: (NoSpaceError, "no space left on the server's disk; fr
             errno.EDQUOT: (QuotaError, "disk quota exceeded on the server; free some space there, then try again"),
             errno.EROFS: (ReadOnlyError, "the server's disk is read-only; remount it read-write, then try again")}
 _END = r"""\s'"`:,;()\[\]{}<>"""  # what ends a path in a message
-_ABSOLUTE = re.compile(rf"(?<![\w.~:/\\-])/[^{_END}]+")
+# an absolute path, and what follows it across spaces while each piece holds a `/` (`/srv/my models/x`)
+_ABSOLUTE = re.compile(rf"(?<![\w.~:/\\-])/[^{_END}]+(?: [^{_END}/]*/[^{_END}]*)*")
 
 
 class ServerPaths:
@@ -115,12 +116,21 @@ class ServerPaths:
 
 
 def _elide(m: re.Match[str]) -> str:
-    """An absolute path of this machine as `.../last part`; anything else (a URL path) as it is."""
-    path = m.group(0).rstrip(".")
+    """An absolute path of this machine as `.../last part`; anything else (a URL path) as it is. A path
+    with spaces is the longest run of the match whose directory exists here (else up to the first space)."""
+    text = m.group(0)
+    pieces = text.split(" ")
+    path = pieces[0]
+    for k in range(len(pieces), 1, -1):
+        longer = " ".join(pieces[:k]).rstrip(".")
+        if os.path.isdir(os.path.dirname(longer.rstrip("/"))):
+            path = longer
+            break
+    path = path.rstrip(".")
     top = path.split("/")[1]
     if not top or not os.path.lexists("/" + top):
-        return m.group(0)
-    return ".../" + os.path.basename(path.rstrip("/")) + m.group(0)[len(path):]
+        return text
+    return ".../" + os.path.basename(path.rstrip("/")) + text[len(path):]
 
 
 

@@ -17,10 +17,14 @@ whole or a range, by any worker, sends them from that file with `sendfile`.
 - Admission: the first whole pull leaves an empty marker; a whole pull that finds it writes the copy
   as it reads (`pwrite` in the reader thread), under a temporary name that is renamed only once every
   byte has been written from sources that did not change: a partial copy is never used. One pull
-  at a time writes a shard's copy (the temporary name is the shard's; concurrent pulls of it just
+  at a time writes a shard's copy (it holds an `flock` on the marker; concurrent pulls of it just
   gather), so a start-up storm of workers writes each copy once. A shard
   pulled once costs a marker; one with nothing to copy gets a `.none` marker and is not looked at
   again (markers are swept after `STALE`).
+- Temporary copies are named `NAME.PID-START.tmp` (`reshard.io.owners.owner_tag`): one that a killed
+  worker left is removed by the next worker to start (the supervisor's replacement, a restart) and at
+  every sweep, and its flock died with it, so the next whole pull writes that shard's copy. Copies
+  being written count against the cap.
 - Bounded: at most `gather_cache` bytes (`RESHARD_GATHER_CACHE`, `--gather-cache`; 0 turns copies
   off) in ROOT/.reshard/gathered (`RESHARD_GATHER_DIR`), shared by the workers; past it the least
   recently used copies are deleted (a stream that has one open keeps reading it). A full disk or a
@@ -31,9 +35,11 @@ whole or a range, by any worker, sends them from that file with `sendfile`.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import itertools
 import logging
 import os
+import re
 import struct
 import threading
 import time
@@ -41,6 +47,7 @@ from array import array
 from pathlib import Path
 
 from reshard.io.outfs import delete_oldest
+from reshard.io.owners import TAG, owner_gone, owner_tag
 from reshard.io.stream import RankStream
 from reshard.io.writer import pwrite_all
 
@@ -51,6 +58,7 @@ STALE = 3600.0  # seconds: markers and orphaned temporary files older than this 
 # (its header's length); on loopback, sendfile of page-aligned ranges measured 10-20% slower
 # (73-79 ms for 200 MiB from offsets 8 to 4000, 83-95 ms from 0 and 4096; a throwaway script)
 LEAD = 2048
+_TMP = re.compile(rf"^(.+?)(?:\.({TAG}))?\.tmp$")  # NAME.PID-START.tmp (without the owner: an older version's)
 
 
 class GatherCache:
@@ -74,7 +82,9 @@ class GatherCache:
             log.warning("gathered pieces are not kept (%s: %s): every pull gathers them",
                         directory, e.strerror or e)
             return None
-        return cls(directory, max_bytes, min_piece)
+        cache = cls(directory, max_bytes, min_piece)
+        cache.sweep()  # what killed workers left, and a cache left larger than this cap
+        return cache
 
     def attach(self, stream: RankStream, etag: str, *, whole: bool) -> Copy | Copier | None:
         """Call in the thread that opened `stream`: its gathered pieces now come from their copy if
@@ -121,16 +131,29 @@ class GatherCache:
         """A copy was renamed into place: drop its marker and the least recently used copies past the cap."""
         with contextlib.suppress(OSError):
             (self.dir / f"{name}.seen").unlink()
+        self.sweep()
+
+    def sweep(self) -> None:
+        """Remove the temporary copies whose writer is gone and the markers older than `STALE`, then the
+        least recently used copies past the cap (less the copies being written)."""
         with self._lock:
-            now, copies = time.time(), []
+            now, copies, writing, dead = time.time(), [], 0, 0
             for entry in os.scandir(self.dir):
                 with contextlib.suppress(OSError):
                     st = entry.stat()
                     if entry.name.endswith(".bin"):
                         copies.append((st.st_mtime, st.st_size, entry.path))
-                    elif now - st.st_mtime > STALE:  # markers of shards pulled once, temporaries of dead workers
+                    elif m := _TMP.match(entry.name):
+                        if owner_gone(Path(entry.path), m.group(2), ownerless_age=STALE):
+                            os.unlink(entry.path)
+                            dead += 1
+                        else:
+                            writing += st.st_size
+                    elif now - st.st_mtime > STALE:  # markers of shards pulled once
                         os.unlink(entry.path)
-            delete_oldest(copies, self.max_bytes)
+            delete_oldest(copies, max(self.max_bytes - writing, 0))
+        if dead:
+            log.warning("removed %d temporary copies of gathered pieces that killed workers left in %s", dead, self.dir)
 
 
 class Copy:
@@ -155,8 +178,13 @@ class Copier:
 
     def __init__(self, cache: GatherCache, name: str, stream: RankStream) -> None:
         self.cache, self.name, self.stream = cache, name, stream
-        self.tmp = cache.dir / f"{name}.tmp"  # one writer per shard at a time, in any worker
-        self.fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        self.claim = _claim(cache.dir / f"{name}.seen")  # one writer per shard at a time, in any worker
+        self.tmp = cache.dir / f"{name}.{owner_tag()}.tmp"
+        try:
+            self.fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        except OSError:
+            os.close(self.claim)
+            raise
         # per piece: (its number, start in the body, length, offset in the copy)
         self._pieces: list[tuple[int, int, int, int]] | None = None
         self._next = self.written = self.total = 0
@@ -204,13 +232,31 @@ class Copier:
             self.close()
 
     def close(self) -> None:
-        """Drop what was written unless it was published."""
+        """Drop what was written unless it was published; let the next pull write the shard's copy."""
         fd, self.fd = self.fd, -1
         if fd >= 0:
             os.close(fd)
         if not self.published:
             with contextlib.suppress(OSError):
                 os.unlink(self.tmp)
+        claim, self.claim = self.claim, -1
+        if claim >= 0:
+            os.close(claim)  # releases the flock
+
+
+def _claim(marker: Path) -> int:
+    """An open file of `marker` holding an exclusive flock on it (released when closed, or when the
+    holder dies); FileExistsError where another pull holds it."""
+    fd = os.open(marker, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise FileExistsError(f"{marker}: another pull writes this copy") from None
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
 
 
 def _read_index(fd: int, stream: RankStream) -> dict[int, int]:

@@ -42,6 +42,7 @@ from typing import Any
 
 from reshard.errors import NotFoundError, ReshardError, StateUnavailableError
 from reshard.io.outfs import output_errors
+from reshard.io.owners import is_alive, this_process
 from reshard.io.writer import write_shards
 from reshard.layout.mesh import Layout
 from reshard.plan.types import Plan, rank_file_name
@@ -49,7 +50,6 @@ from reshard.service.catalog import Catalog, ServedCheckpoint
 from reshard.service.digests import DigestCache
 from reshard.service.errors import ServerPaths
 from reshard.service.leftovers import clean_after, remove_made, sweep_out
-from reshard.service.process import is_alive, this_process
 from reshard.service.ranges import shard_etag
 from reshard.service.settings import Settings
 from reshard.service.state import StateDB

@@ -1,9 +1,9 @@
 """This server process: its owner id, its death with the supervisor, its signals, its heap and mappings.
 
-Owner ids (`this_process()`: pid and start time, so a reused pid is not mistaken for the process) mark
-what a worker leaves behind when it is killed: its jobs' rows in the state database, its uploads'
-temp files (`owner_tag` in the name); `is_alive`, `exited` and `pid_gone` tell whether that owner is
-gone, so whoever comes next may clean up.
+Owner ids (`reshard.io.owners.this_process()`: pid and start time, so a reused pid is not mistaken for
+the process) mark what a worker leaves behind when it is killed: its jobs' rows in the state database,
+its temp files (`owner_tag` in the name); `is_alive` (there), `exited` and `pid_gone` (here) tell
+whether that owner is gone, so whoever comes next may clean up.
 
 Helpers every worker of `reshard serve` uses, whatever started it (one process or `--workers N`);
 they know nothing of the app.
@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from reshard.io.mapped import MAPS
+from reshard.io.owners import is_alive, start_time
 from reshard.service.settings import Settings
 
 SUPERVISOR_ENV = "RESHARD_SUPERVISOR_PID"
@@ -93,44 +94,14 @@ def stop_on_signals(stop: Callable[[], None]) -> Callable[[], None]:
     return restore
 
 
-def _start_time(pid: int) -> str | None:
-    """The process's start time in clock ticks since boot (field 22 of /proc/PID/stat); None if gone or dead."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = stat.rsplit(")", 1)[1].split()
-    return None if fields[0] in ("Z", "X") else fields[19]  # a zombie (killed, not yet reaped) is gone too
-
-
-def this_process() -> str:
-    """An owner id for the calling process: `pid:start time`."""
-    return f"{os.getpid()}:{_start_time(os.getpid())}"
-
-
-def is_alive(owner: str) -> bool:
-    pid, _, started = owner.partition(":")
-    return pid.isdigit() and _start_time(int(pid)) == started
-
-
-# --- owners of files: temp files name the process that writes them ---------------------------------
+# --- owners of files: temp files name the process that writes them (`reshard.io.owners`) -----------
 
 REUSE_MARGIN = 1.0  # seconds: a pid's process that started this long after a file's last write is another one
 
 
-def owner_tag(owner: str | None = None) -> str:
-    """`owner` (default: this process) as a file-name part: `pid-start`."""
-    return (owner if owner is not None else this_process()).replace(":", "-")
-
-
-def tag_owner(tag: str) -> str:
-    """The owner id of an `owner_tag`."""
-    return tag.replace("-", ":", 1)
-
-
 def _started_epoch(pid: int) -> float | None:
     """When process `pid` started, in seconds since the epoch (10 ms precision); None if gone or dead."""
-    ticks = _start_time(pid)
+    ticks = start_time(pid)
     if ticks is None:
         return None
     since_boot = int(ticks) / os.sysconf("SC_CLK_TCK")  # boot-time based, as CLOCK_BOOTTIME

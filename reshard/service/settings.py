@@ -73,6 +73,11 @@ class Settings(BaseSettings):
                                       "between requests; a request head must also arrive whole within it, from the "
                                       "connection's start or the head's first byte (408, or a silent close if "
                                       "nothing came)")
+    worker_healthcheck_timeout: float = Field(30.0, gt=0, le=3600, description="seconds the supervisor of "
+                                              "`--workers N` waits for a worker to answer its liveness ping "
+                                              "(sent every half second) before it kills the worker as hung and "
+                                              "starts another, logged at warning; uvicorn's 5 s killed busy "
+                                              "workers on a loaded machine")
     log_level: str = Field("info", description="uvicorn log level")
 
     @field_validator("root")

@@ -21,7 +21,6 @@ import json
 import logging
 import os
 import re
-import time
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -32,15 +31,15 @@ import anyio.to_thread
 from reshard.errors import CheckpointError, HeaderError, NotFoundError
 from reshard.format.checkpoint import INDEX_NAME, read_header
 from reshard.io.outfs import check_space, fsync_dir, output_errors
+from reshard.io.owners import TAG, owner_gone, owner_tag
 from reshard.service.catalog import Catalog, allowed_upload, valid_name
 from reshard.service.errors import Conflict, PayloadTooLarge
 from reshard.service.leftovers import remove_dead
-from reshard.service.process import is_alive, owner_tag, tag_owner
 
 log = logging.getLogger("reshard.service")
 _FLUSH = 4 << 20
 _RETRY = "upload the file again"
-_TEMP = re.compile(r"^\.upload-(?:(\d+-\d+)-)?[0-9a-f]{32}\.part$")  # without an owner: an older version's
+_TEMP = re.compile(rf"^\.upload-(?:({TAG})-)?[0-9a-f]{{32}}\.part$")  # without an owner: an older version's
 _OWNERLESS_AGE = 3600.0  # seconds since its last write after which an ownerless upload temp file is removed
 _OPEN_TRIES = 8
 
@@ -66,14 +65,7 @@ def remove_dead_uploads(root: Path) -> int:
 
 def _dead_temp(path: Path) -> bool:
     m = _TEMP.match(path.name)
-    if m is None:
-        return False
-    if m.group(1) is not None:
-        return not is_alive(tag_owner(m.group(1)))
-    try:
-        return time.time() - path.lstat().st_mtime > _OWNERLESS_AGE
-    except FileNotFoundError:
-        return False
+    return m is not None and owner_gone(path, m.group(1), ownerless_age=_OWNERLESS_AGE)
 
 
 def _open_temp(catalog: Catalog, name: str) -> tuple[Path, Path, int]:

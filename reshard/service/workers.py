@@ -6,6 +6,11 @@ every worker the validated settings through `RESHARD_*` environment variables an
 worker builds the app with `worker_app()`. A worker dies with its supervisor, even a SIGKILLed one
 (`PR_SET_PDEATHSIG`), so no orphan keeps the port or a job; jobs it left are marked failed by the next
 worker to start (`reshard.service.jobs`).
+
+Every half second the supervisor pings each worker (a thread of the worker answers); one that does not
+answer within `--worker-healthcheck-timeout` (30 s; uvicorn's own 5 s killed workers that were only slow
+on a machine whose cores were taken by other work) is SIGKILLed as hung. Every worker replaced, killed
+that way or dead by itself, is logged at warning.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import logging
 import os
 import shutil
 import signal
@@ -26,6 +32,8 @@ from reshard.service.app import create_app
 from reshard.service.metrics import MULTIPROC_ENV
 from reshard.service.process import SUPERVISOR_ENV, die_with_supervisor, enable_mapped_reads
 from reshard.service.settings import Settings
+
+log = logging.getLogger("uvicorn.error")  # the supervisor's lines, at its level and in its format (`WARNING:  ...`)
 
 
 def settings_env(settings: Settings) -> dict[str, str | None]:
@@ -65,7 +73,28 @@ def _supervisor_class() -> type:
                     with contextlib.suppress(OSError):
                         os.kill(p.pid, signal.SIGTERM)
 
+        def keep_subprocess_alive(self) -> None:
+            """uvicorn's (a worker that died, or that did not answer the ping within
+            `timeout_worker_healthcheck`, is SIGKILLed and replaced), each replacement logged at warning."""
+            before = [(p, p.process.is_alive()) for p in self.processes]
+            super().keep_subprocess_alive()
+            for (old, running), now in zip(before, self.processes):
+                if now is not old:
+                    log.warning(replaced_line(old.pid, old.exitcode, running=running,
+                                              timeout=self.config.timeout_worker_healthcheck))
+
     return Supervisor
+
+
+def replaced_line(pid: int | None, exitcode: int | None, *, running: bool, timeout: float) -> str:
+    """The log line of a worker the supervisor replaced: killed as hung (it ran, and ended by the
+    supervisor's SIGKILL), or died on its own (its exit status or signal)."""
+    if running and exitcode == -signal.SIGKILL:
+        return (f"worker {pid} did not answer the supervisor's healthcheck within {timeout:g} s: killed it "
+                f"(SIGKILL) and started another; if the machine is only busy, raise --worker-healthcheck-timeout "
+                f"(RESHARD_WORKER_HEALTHCHECK_TIMEOUT)")
+    how = f"signal {signal.Signals(-exitcode).name}" if exitcode is not None and exitcode < 0 else f"exit status {exitcode}"
+    return f"worker {pid} died ({how}); started another"
 
 
 def http_protocol(settings: Settings) -> Callable[..., asyncio.Protocol]:
@@ -81,7 +110,8 @@ def http_protocol(settings: Settings) -> Callable[..., asyncio.Protocol]:
 def uvicorn_options(settings: Settings) -> dict[str, Any]:
     """The uvicorn `Config` options every `reshard serve` (one process or `--workers N`) shares."""
     return {"host": settings.host, "port": settings.port, "log_level": settings.log_level,
-            "timeout_keep_alive": settings.keep_alive_timeout, "http": http_protocol(settings)}
+            "timeout_keep_alive": settings.keep_alive_timeout, "http": http_protocol(settings),
+            "timeout_worker_healthcheck": settings.worker_healthcheck_timeout}
 
 
 def serve_workers(settings: Settings, *, workers: int, access_log: bool) -> int:

@@ -130,3 +130,46 @@ def test_valid_configs_plan_as_before(tmp_path: Path, model_type: str, before: l
     assert sorted(derived.to_dict()["rules"], key=str) == sorted(before, key=str)
     want = reference_plan(ckpt, Manifest.from_dict({"rules": before}), tp)
     assert plan_digest(make_plan(ckpt, derived, tp).ranks) == plan_digest(want)
+
+
+# --- RESHARD_MLA=heads: DeepSeek's MLA projections split on head boundaries (reshard.rules.tp_plans.mla) ---
+
+MLA_NAMES = [f"model.layers.{i}.self_attn.{leaf}.weight" for i in range(2) for leaf in
+             ("q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj")]
+MLA_CONFIG = {"model_type": "deepseek_v3", "kv_lora_rank": 16, "num_attention_heads": 4}
+
+
+def _mla_rules(monkeypatch: pytest.MonkeyPatch, **changes: Any) -> dict[str, dict[str, Any]]:
+    """The MLA rules derived with RESHARD_MLA=heads: pattern -> the rule's kind and options."""
+    monkeypatch.setenv("RESHARD_MLA", "heads")
+    rules = from_config({**MLA_CONFIG, **changes}, MLA_NAMES).to_dict()["rules"]
+    return {r["regex"]: {k: v for k, v in r.items() if k != "regex"} for r in rules if "self_attn" in r["regex"]}
+
+
+@pytest.mark.parametrize("value", [0, -4, "4", 4.0, True], ids=repr)
+def test_mla_heads_must_be_a_positive_integer(monkeypatch: pytest.MonkeyPatch, value: Any) -> None:
+    """Before, each of these returned no MLA rule at all: every projection replicated, silently."""
+    with pytest.raises(ManifestError) as e:
+        _mla_rules(monkeypatch, num_attention_heads=value)
+    assert str(e.value) == (
+        f"config.json `num_attention_heads` = {value!r} ({type(value).__name__}) must be a positive integer: "
+        "reshard splits attention projections on head boundaries with it; fix config.json or write a rules file")
+
+
+def test_mla_heads_of_a_valid_config_split_by_heads(monkeypatch: pytest.MonkeyPatch) -> None:
+    want_column = {"kind": "column", "heads": 4}
+    assert _mla_rules(monkeypatch) == {
+        r"(.*\.)?self_attn\.q_b_proj\.(weight|bias)": want_column,
+        r"(.*\.)?self_attn\.kv_b_proj\.(weight|bias)": want_column,
+        r"(.*\.)?self_attn\.o_proj\.(weight|bias)": {"kind": "row"},
+        r"(.*\.)?self_attn\.kv_a_proj_with_mqa\.(weight|bias)": {"kind": "replicate", "hf_style": "mla_kv_a_proj"},
+    }
+    # absent: the config class's default, as transformers reads it (DeepSeek-V3: 128 heads)
+    absent = {k: v for k, v in MLA_CONFIG.items() if k != "num_attention_heads"}
+    monkeypatch.setenv("RESHARD_MLA", "heads")
+    rules = from_config(absent, MLA_NAMES).to_dict()["rules"]
+    assert [r["heads"] for r in rules if r.get("kind") == "column" and "self_attn" in r["regex"]] == [128, 128]
+    monkeypatch.delenv("RESHARD_MLA")  # off: transformers' plan replicates MLA, and the count is not read
+    off = from_config({**MLA_CONFIG, "num_attention_heads": "4"}, MLA_NAMES)
+    assert off.rules == from_config(MLA_CONFIG, MLA_NAMES).rules
+    assert not any("self_attn" in r.pattern for r in off.rules)

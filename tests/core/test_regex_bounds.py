@@ -12,6 +12,7 @@ import fnmatch
 import pickle
 import re
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -38,18 +39,35 @@ BACKTRACKING = [
 ]
 
 
+def best_of(fn: Callable[[], object], tries: int = 3) -> float:
+    """The shortest of `tries` timings of `fn()`, in seconds: what the work costs on this machine, less
+    the time it waited for a core (a loaded machine stretches a try, rarely all of them)."""
+    times = []
+    for _ in range(tries):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+# what an ordinary regex of the same length costs on the same names, on this machine: the reference the
+# backtracking patterns are timed against (on Python's re they cost 2**len(name) steps: seconds to hours)
+PLAIN = r"[a-z_.0-9]*!"
+
+
 @pytest.mark.parametrize(("pattern", "name"), BACKTRACKING, ids=[p for p, _ in BACKTRACKING])
 def test_backtracking_patterns_match_at_once(pattern: str, name: str) -> None:
-    rule = Rule(pattern, "column", regex=True)
-    t0 = time.perf_counter()
+    rule, plain = Rule(pattern, "column", regex=True), Rule(PLAIN, "column", regex=True)
     assert rule.matches(name) is False
-    assert time.perf_counter() - t0 < 0.5
+    one, one_plain = best_of(lambda: rule.matches(name)), best_of(lambda: plain.matches(name))
+    assert one < 0.5 and one < 100 * one_plain + 0.01, (one, one_plain)
     manifest = Manifest((rule, Rule("*.weight", "replicate")))
     names = [name, *NAMES] * 200
-    t0 = time.perf_counter()
     got = manifest.match_all(names)
-    assert time.perf_counter() - t0 < 2.0, "match_all of ~9,000 names"
     assert got[0] is None and all(r is manifest.rules[1] for n, r in zip(names, got) if n.endswith(".weight"))
+    reference = Manifest((plain, Rule("*.weight", "replicate")))
+    every, every_plain = best_of(lambda: manifest.match_all(names)), best_of(lambda: reference.match_all(names))
+    assert every < 2.0 and every < 10 * every_plain + 0.05, ("match_all of ~9,000 names", every, every_plain)
 
 
 def test_a_checkpoint_plans_at_once_with_the_issues_rule(tmp_path: Path) -> None:
@@ -57,11 +75,11 @@ def test_a_checkpoint_plans_at_once_with_the_issues_rule(tmp_path: Path) -> None
     it still planning after 20 s), every tensor replicated (the rule matches none), as with no rule at all."""
     ckpt = Checkpoint.open(make_checkpoint(tmp_path / "ckpt", llama_config(num_hidden_layers=4)))
     bad = Manifest.from_dict({"rules": [{"regex": r"([a-z_.0-9]+)*!", "kind": "column"}]})
-    t0 = time.perf_counter()
     plan = make_plan(ckpt, bad, 2)
-    assert time.perf_counter() - t0 < 2.0
     assert plan.warnings == ("rule '([a-z_.0-9]+)*!' (column) matches no tensor",)
     none = make_plan(ckpt, Manifest(()), 2)
+    planning, planning_none = best_of(lambda: make_plan(ckpt, bad, 2)), best_of(lambda: make_plan(ckpt, Manifest(()), 2))
+    assert planning < 2.0 and planning < 5 * planning_none + 0.1, (planning, planning_none)
     assert [rp.header for rp in plan.ranks] == [rp.header for rp in none.ranks]
     assert all(t.kind == "replicate" for rp in plan.ranks for t in rp.tensors)
 
@@ -195,9 +213,8 @@ def test_exact_name_rules_are_looked_up() -> None:
     rules = [Rule(re.escape(n), "row", regex=True) for n in names] + [Rule(re.escape(names[0]), "column", regex=True)]
     rules.insert(0, Rule(r"model\.layers\.0\.mlp\.experts\.[0-3]\..*", "replicate", regex=True))
     manifest = Manifest(tuple(rules))
-    t0 = time.perf_counter()
     got = manifest.match_all([*names, "other"])
-    assert time.perf_counter() - t0 < 5.0
+    assert best_of(lambda: manifest.match_all([*names, "other"])) < 5.0
     assert got[:4] == [rules[0]] * 4 and got[4] is rules[5] and got[-2] is rules[-2] and got[-1] is None
     assert all(g is rules[i + 1] for i, g in enumerate(got[8:-1], start=8))
 

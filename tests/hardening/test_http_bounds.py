@@ -3,7 +3,12 @@ with zero-copy on (`ZeroCopyProtocol`) and off (plain httptools): 431 for too ma
 (200 MB of them sent by a client without the token: the answer comes at once, the sender is cut off
 and the workers' RssAnon stays where it was), 414 for a 100 KB URL, 408 or a close for a connection
 that sends no whole request within the keep-alive timeout, each with the JSON error body; `HEAD
-/healthz` answers as GET; a response in progress is not cut by a refused pipelined head."""
+/healthz` answers as GET; a response in progress is not cut by a refused pipelined head.
+
+Times are bounded so that a loaded machine cannot fail them: what is checked to the byte or from below
+is structural (the 431 comes before a fraction of the flood was sent; a connection is never closed
+before the keep-alive timeout, counted from before it was opened; the 408 names that timeout), and the
+upper bounds only tell "closed by the server" from "left open" (the issue: open for good)."""
 
 from __future__ import annotations
 
@@ -11,7 +16,8 @@ import json
 import socket
 import threading
 import time
-from collections.abc import Iterator
+import weakref
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +33,8 @@ TOKEN = "bounds-token"
 KEEP_ALIVE = 1.0  # the servers' --keep-alive-timeout (s)
 FLOOD = 200 << 20  # bytes of headers a flooding client tries to send
 MiB = 1 << 20
+LATE = 15.0  # seconds past the keep-alive timeout after which a connection counts as left open
+CONNECTED: weakref.WeakKeyDictionary[socket.socket, float] = weakref.WeakKeyDictionary()  # when each was opened
 
 
 @pytest.fixture(scope="module", params=[True, False], ids=["zero-copy", "no-zero-copy"])
@@ -74,7 +82,9 @@ def _on_every_worker(srv: LiveServer, *, tries: int = 64) -> Iterator[socket.soc
     and given to it only if a worker that has not had one accepted it (others are closed at once)."""
     seen: set[int] = set()
     for _ in range(tries):
+        opened = time.monotonic()
         s = socket.create_connection(("127.0.0.1", _port(srv)), timeout=10)
+        CONNECTED[s] = opened  # the server's timers start after this
         owner: list[int | None] = [None]
         assert hard.wait_for(lambda s=s, o=owner: o.__setitem__(0, _owner(srv, s)) or o[0] is not None, 10)
         if owner[0] in seen:
@@ -87,12 +97,15 @@ def _on_every_worker(srv: LiveServer, *, tries: int = 64) -> Iterator[socket.soc
     raise AssertionError(f"{tries} connections all went to workers {sorted(seen)}")
 
 
-def _read_all(sock: socket.socket, timeout: float) -> tuple[bytes, float]:
-    """Everything the server sends until it closes (or `timeout`), and when the first byte came."""
+def _read_all(sock: socket.socket, timeout: float, on_first: Callable[[], None] | None = None) -> tuple[bytes, float]:
+    """Everything the server sends until it closes (or `timeout`), and when the first byte came
+    (`on_first` is called then)."""
     sock.settimeout(timeout)
     got, first, t0 = b"", None, time.monotonic()
     try:
         while chunk := sock.recv(65536):
+            if first is None and on_first is not None:
+                on_first()
             got += chunk
             first = first or time.monotonic() - t0
     except (TimeoutError, ConnectionResetError):
@@ -154,15 +167,17 @@ def test_header_flood_is_answered_431_at_once_and_memory_stays(srv: LiveServer, 
         with sock:
             t0 = time.monotonic()
             flood = Flood(sock, head, piece)
-            raw, first = _read_all(sock, 20)
+            answered: list[int] = []
+            raw, first = _read_all(sock, 60, on_first=lambda f=flood, a=answered: a.append(f.sent))
             sent = flood.join()
-        assert raw, f"no answer in 20 s ({sent} bytes sent)"
+        assert raw, f"no answer in 60 s ({sent} bytes sent)"
         status, headers, body = _json_answer(raw)
         assert (status, body["error"]) == (431, "RequestHeaderFieldsTooLarge"), raw[:500]
         assert why in body["detail"] and headers["connection"] == "close", body
-        assert first < 5, f"the answer came {first:.1f} s after the flood began"
+        # at once: answered before the client could send a fraction of the flood (however slow the machine)
+        assert answered[0] < 64 * MiB, f"the answer came after {answered[0]} bytes ({first:.1f} s)"
         assert sent < 64 * MiB, f"{sent} bytes were taken before the server cut the client off"
-        assert time.monotonic() - t0 < 15
+        assert time.monotonic() - t0 < 60
     grown = hard.rss_anon(srv.proc.pid) - before
     assert grown < 32 * MiB, f"the server's RssAnon grew by {grown / MiB:.0f} MiB"
     assert httpx.get(srv.url + "/healthz", timeout=10).status_code == 200
@@ -203,42 +218,54 @@ def test_garbage_request_400_json(srv: LiveServer) -> None:
 # --- the head's deadline ---------------------------------------------------------------------------
 
 def test_connection_that_sends_nothing_is_closed_after_keep_alive(srv: LiveServer) -> None:
+    _idle_connections_close(srv)
+
+
+def test_idle_connections_close_after_keep_alive_under_a_cpu_hog(srv: LiveServer) -> None:
+    """The same while two busy processes take the cores (issue 26, item 11): closed, never early."""
+    with hard.cpu_hog(2):
+        _idle_connections_close(srv)
+
+
+def _idle_connections_close(srv: LiveServer) -> None:
     for sock in _on_every_worker(srv):
         with sock:
-            t0 = time.monotonic()
-            raw, _ = _read_all(sock, KEEP_ALIVE + 5)
-            waited = time.monotonic() - t0
+            raw, _ = _read_all(sock, KEEP_ALIVE + LATE + 10)
+            waited = time.monotonic() - CONNECTED[sock]
         assert raw == b"", raw  # closed without an answer: nothing was asked
-        assert waited < KEEP_ALIVE + 3, f"still open {waited:.1f} s after connecting"
-        assert waited >= KEEP_ALIVE * 0.7, f"closed after {waited:.1f} s, before the keep-alive timeout"
+        assert waited < KEEP_ALIVE + LATE, f"still open {waited:.1f} s after connecting"
+        assert waited >= KEEP_ALIVE, f"closed after {waited:.3f} s, before the keep-alive timeout"
 
 
 def test_partial_head_408_after_keep_alive(srv: LiveServer) -> None:
     for sock in _on_every_worker(srv):
         with sock:
-            t0 = time.monotonic()
             sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")  # no blank line: the head never ends
-            raw, first = _read_all(sock, KEEP_ALIVE + 5)
+            raw, first = _read_all(sock, KEEP_ALIVE + LATE + 10)
+            waited = time.monotonic() - CONNECTED[sock]
         status, headers, body = _json_answer(raw)
         assert (status, body["error"]) == (408, "RequestTimeout") and headers["connection"] == "close", raw
-        assert KEEP_ALIVE * 0.8 <= time.monotonic() - t0 < KEEP_ALIVE + 3
+        assert body["detail"] == f"the request head did not arrive within {KEEP_ALIVE:g} s", body
+        assert KEEP_ALIVE <= waited < KEEP_ALIVE + LATE, waited
 
 
 def test_slow_head_is_not_kept_alive_by_dribbling(srv: LiveServer) -> None:
     """A byte at a time, each well within the timeout: the head as a whole must still arrive in time."""
+    t0 = time.monotonic()
     with socket.create_connection(("127.0.0.1", _port(srv)), timeout=10) as sock:
-        t0 = time.monotonic()
         try:
             for b in b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 100:
                 sock.sendall(bytes([b]))
                 time.sleep(KEEP_ALIVE / 5)
-                if time.monotonic() - t0 > KEEP_ALIVE + 3:
+                if time.monotonic() - t0 > KEEP_ALIVE + LATE:
                     break
         except OSError:
             pass
-        raw, _ = _read_all(sock, 5)
-    assert _json_answer(raw)[0] == 408, raw
-    assert time.monotonic() - t0 < KEEP_ALIVE + 5
+        raw, _ = _read_all(sock, LATE)
+        waited = time.monotonic() - t0
+    status, _, body = _json_answer(raw)
+    assert status == 408 and body["detail"] == f"the request head did not arrive within {KEEP_ALIVE:g} s", raw
+    assert KEEP_ALIVE <= waited < KEEP_ALIVE + LATE, waited  # 100 bytes at 5 a timeout would take 20 of them
 
 
 # --- HEAD /healthz, and what a refusal leaves alone ---------------------------------------------------
@@ -272,3 +299,21 @@ def test_refused_pipelined_head_does_not_cut_the_response_in_progress(srv: LiveS
     assert head.startswith(b"HTTP/1.1 200 "), raw[:300]
     assert len(body) == size, f"{len(body)} of {size} bytes, then {body[size:size + 200]!r}"
     assert httpx.get(srv.url + "/healthz", timeout=10).status_code == 200
+
+
+def test_two_range_headers_answer_400_on_every_worker(srv: LiveServer) -> None:
+    """Issue 26, 10d, on the real server: two `Range` lines answer 400 with the JSON body on each worker
+    (the first one won silently), one of them alone answers 206."""
+    url = "/v1/checkpoints/llama/shards/0?tp=2"
+    auth = f"Authorization: Bearer {TOKEN}\r\n"
+    for sock in _on_every_worker(srv):
+        with sock:
+            sock.sendall(f"GET {url} HTTP/1.1\r\nHost: x\r\n{auth}Range: bytes=0-9\r\nRange: bytes=10-19\r\n"
+                         "Connection: close\r\n\r\n".encode())
+            status, _, body = _json_answer(_read_all(sock, 30)[0])
+        assert (status, body) == (400, {"error": "BadRequest", "detail": "2 Range header lines ('bytes=0-9', "
+                                        "'bytes=10-19'); send one (a `Range` field may not be repeated, RFC 9110 "
+                                        "section 5.3)"}), body
+    whole = httpx.get(srv.url + url, headers=srv.headers(), timeout=30).content
+    one = httpx.get(srv.url + url, headers={**srv.headers(), "Range": "bytes=10-19"}, timeout=30)
+    assert one.status_code == 206 and one.content == whole[10:20]

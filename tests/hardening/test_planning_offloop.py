@@ -1,7 +1,8 @@
 """Planning never stalls a worker (issue 26, items 2, 10d, 10i), against `reshard serve --workers 2`.
 
 * `PUT .../rules` with the issue's backtracking regex answers at once (it froze its worker until the
-  supervisor killed it) and `/healthz` answers within a second meanwhile;
+  supervisor killed it) and `/healthz` answers within a second meanwhile (a small share of the PUTs'
+  time on a loaded machine), also while two busy processes take the cores;
 * `/healthz` answers within a second while two slow plans (a 30,000-tensor checkpoint, 45 MB of JSON
   each) are being planned and sent;
 * the JSON plan of tp=4096 is streamed rank by rank: the workers' memory grows by a few MB, not by the
@@ -76,20 +77,41 @@ def _healthz_while(srv: LiveServer, busy: list[Any]) -> list[float]:
     return took
 
 
-@pytest.mark.servers
-def test_a_backtracking_rules_regex_answers_at_once(srv: LiveServer) -> None:
-    """Two `PUT .../rules` with the issue's regex at once: each is validated (tp 1 and 2 planned) in
-    seconds, stored with the warning that it matches nothing, and /healthz answers meanwhile."""
+def _backtracking_rules_answer(srv: LiveServer, label: str) -> None:
+    """Two `PUT .../rules` with the issue's regex at once: each is validated (tp 1 and 2 planned) and
+    stored with the warning that it matches nothing, and /healthz answers meanwhile. An event loop
+    blocked by the validation answers /healthz only when a PUT is done: its wait is then about the PUTs'
+    time. One that is not answers in a GIL slice or two: under 1 s on a quiet machine, a small share
+    of the PUTs' time on a loaded one (both slow down together)."""
     body = {"rules": [{"regex": BACKTRACKING, "kind": "column"}]}
     with ThreadPoolExecutor(2) as pool, httpx.Client(timeout=120) as c:
-        futs = [pool.submit(c.put, f"{srv.url}/v1/checkpoints/moe/rules?label=slow{i}&tp=2", json=body)
+        t0 = time.monotonic()
+        futs = [pool.submit(c.put, f"{srv.url}/v1/checkpoints/moe/rules?label={label}{i}&tp=2", json=body)
                 for i in range(2)]
         took = _healthz_while(srv, futs)
         answers = [f.result() for f in futs]
+        validating = time.monotonic() - t0
     for r in answers:
         assert r.status_code == 200, r.text
         assert r.json()["warnings"] == [f"rule '{BACKTRACKING}' (column) matches no tensor"]
-    assert max(took) < 1.0, took
+    assert took, "no /healthz answered while the rules were validated"
+    assert max(took) < max(1.0, validating / 4), (took, validating)
+
+
+@pytest.mark.servers
+def test_a_backtracking_rules_regex_answers_at_once(srv: LiveServer) -> None:
+    _backtracking_rules_answer(srv, "slow")
+
+
+@pytest.mark.servers
+def test_a_backtracking_rules_regex_answers_at_once_under_a_cpu_hog(srv: LiveServer) -> None:
+    """The same on a machine whose cores two busy processes take (item 11: the suite must hold on a
+    loaded machine): the answers are the same, no worker is killed or replaced, nothing is logged."""
+    before = sorted(hard.workers(srv))
+    with hard.cpu_hog(2):
+        _backtracking_rules_answer(srv, "hogged")
+    assert sorted(hard.workers(srv)) == before, srv.log()
+    assert "WARNING:" not in srv.log(), srv.log()
 
 
 @pytest.mark.servers
@@ -260,3 +282,20 @@ def test_two_range_headers_answer_400(client: TestClient) -> None:
     assert one.status_code == 206 and one.headers["content-range"].startswith("bytes 10-19/") and len(one.content) == 10
     assert client.get(url, headers=[("If-None-Match", '"x"'), ("If-None-Match", etag)]).status_code == 304
     assert client.get(url, headers=[("Range", "bytes=0-1,5-6")]).status_code == 200  # several ranges: the whole body
+
+
+@pytest.mark.pure
+def test_the_degrees_a_rules_put_validates_are_bounded(client: TestClient) -> None:
+    """`PUT .../rules?tp=` plans every degree it is given: 64 values of 4096 were a hundred seconds of
+    one worker's planning. Now duplicates count once, and one request validates at most 8 degrees of at
+    most 4096 ranks in all (what the largest single plan costs)."""
+    url = "/v1/checkpoints/tiny/rules?label=pad&"
+    ok = client.put(url + "&".join(f"tp={t}" for t in [*range(1, 9), *[8] * 50]), json=PAD_ALL)
+    assert ok.status_code == 200, ok.text
+    assert ok.json()["digest"] == Manifest.from_dict(PAD_ALL).digest()
+    for degrees, why in [(range(1, 10), "tp=1,2,3,4,5,6,7,8,9: 9 degrees of 45 ranks in all"),
+                         ((4095, 2, 2), "tp=2,4095: 2 degrees of 4097 ranks in all")]:
+        r = client.put(url + "&".join(f"tp={t}" for t in degrees), json=PAD_ALL)
+        assert r.status_code == 400, r.text
+        assert r.json() == {"error": "BadRequest", "detail": f"{why}; one request validates at most 8 degrees of "
+                            "at most 4096 ranks in all: send the others in another request"}

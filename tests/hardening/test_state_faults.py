@@ -26,23 +26,13 @@ import pytest
 
 from reshard.plan.types import rank_file_name
 from tests.support.fs import Mount, mounted
-from tests.support.hard import live_server, wait_for
-from tests.support.live import LiveServer, process_tree
+from tests.support.hard import live_server, wait_for, workers
+from tests.support.live import LiveServer
 
 pytestmark = [pytest.mark.servers, pytest.mark.timeout(300)]
 
 DB = "state.sqlite3"
 FAULT_LOGGED = "job routes answer"  # the line a worker logs when the state database starts failing
-
-
-def workers(srv: LiveServer) -> list[int]:
-    """The worker processes of a `--workers N` server (not the supervisor, not multiprocessing's tracker)."""
-    out = []
-    for pid in process_tree(srv.proc.pid)[1:]:
-        with contextlib.suppress(OSError):
-            if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
-                out.append(pid)
-    return out
 
 
 def hold_db(srv: LiveServer, db: Path) -> bool:

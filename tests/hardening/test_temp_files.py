@@ -4,6 +4,8 @@
   whole server was killed, the next server does.
 - A write job whose worker is SIGKILLed, polled right after the kill: reported failed, its `.tmp-PID-*`
   files and the directories it made removed.
+- A copy of a shard's gathered pieces whose worker is SIGKILLed as it starts writing: the replacement
+  removes its temp file, and the next whole pull writes the copy (the temp file no longer blocks it).
 - Two concurrent uploads to a new name, one failing: the valid one is published every time.
 - A job that fails (its output file system full): its error names no server path, and the directories it
   created are gone.
@@ -11,8 +13,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+import re
+import shutil
 import signal
 import threading
 import time
@@ -25,26 +30,15 @@ import pytest
 import torch
 from safetensors.torch import save
 
+from reshard.plan.types import rank_file_name
 from tests.support.fs import Mount, mounted
-from tests.support.hard import live_server, wait_for
-from tests.support.live import LiveServer, make_ckpt, process_tree
+from tests.support.hard import Created, live_server, wait_for, workers
+from tests.support.live import BIG, LiveServer, make_ckpt
 
 pytestmark = [pytest.mark.servers, pytest.mark.timeout(300)]
 
 SIZES = {"hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 1, "vocab_size": 2048,
          "num_attention_heads": 8, "num_key_value_heads": 8}  # ~68 MB float32: one rank file at tp=1
-
-
-def workers(srv: LiveServer) -> list[int]:
-    """The worker processes of a `--workers N` server (not the supervisor, not multiprocessing's tracker)."""
-    out = []
-    for pid in process_tree(srv.proc.pid)[1:]:
-        try:
-            if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
-                out.append(pid)
-        except OSError:
-            continue
-    return out
 
 
 def holder(srv: LiveServer, path: Path) -> int | None:
@@ -233,6 +227,49 @@ def test_job_of_a_killed_worker_fails_and_leaves_nothing(big: Path, ext4_out: Pa
             assert wait_for(lambda: healthy(srv), timeout=60), srv.log()
             assert wait_for(lambda: not temps(out, ".tmp-"), timeout=30), (trial, temps(out, ".tmp-"))
             assert wait_for(lambda: not (out / "ck").exists(), timeout=30), (trial, list(out.rglob("*")))
+        assert srv.alive() and "Traceback" not in srv.log(), srv.log()
+
+
+# --- a copy of gathered pieces whose worker is SIGKILLed ---------------------------------------------------
+
+COPY_TEMP = re.compile(r".+\.(\d+)-\d+\.tmp")  # reshard.service.gathered: NAME.PID-START.tmp
+
+
+def _pull_quietly(url: str) -> None:
+    """A whole pull whose server may die under it."""
+    with contextlib.suppress(httpx.HTTPError):
+        httpx.get(url, timeout=60)
+
+
+def test_a_gathered_copy_cut_by_a_killed_worker_is_removed_and_written_again(ckpt_root: Path, written: Any,
+                                                                             tmp_path: Path) -> None:
+    """The second whole pull of a row-split shard writes a copy of its gathered pieces; its worker is
+    SIGKILLed the moment the copy's temp file appears. Before, that `NAME.tmp` stayed an hour, outside
+    the cap, and kept every later pull from writing the shard's copy (O_EXCL); now the replacement
+    worker removes it, and the next whole pull writes the copy, whose bytes serve the shard."""
+    root = tmp_path / "root"
+    root.mkdir()
+    shutil.copytree(ckpt_root / BIG, root / "m", copy_function=shutil.copyfile)
+    want = (written(BIG, 2) / rank_file_name(1, 2)).read_bytes()
+    gathered = root / ".reshard" / "gathered"
+    with live_server(root, out=tmp_path / "out") as srv:
+        url = f"{srv.ckpt_url('m')}/shards/1?tp=2"
+        assert httpx.get(url, timeout=60).content == want  # pulled once: a marker
+        with Created(gathered) as created:
+            cut = threading.Thread(target=_pull_quietly, args=(url,))
+            cut.start()
+            temp = created.wait_for(COPY_TEMP.fullmatch, timeout=60)
+            assert temp is not None, sorted(os.listdir(gathered))
+            pid = int(COPY_TEMP.fullmatch(temp).group(1))  # type: ignore[union-attr]
+            os.kill(pid, signal.SIGKILL)
+            cut.join(60)
+        assert wait_for(lambda: healthy(srv) and pid not in workers(srv), timeout=60), srv.log()
+        assert wait_for(lambda: not (gathered / temp).exists(), timeout=30), sorted(os.listdir(gathered))
+        for _ in range(2):  # the copy is written (by whichever worker answers), then served from
+            assert httpx.get(url, timeout=60).content == want
+        names = sorted(os.listdir(gathered))
+        assert [n for n in names if n.endswith(".bin")] == [temp.split(".", 1)[0] + ".bin"], names
+        assert not [n for n in names if n.endswith(".tmp")], names
         assert srv.alive() and "Traceback" not in srv.log(), srv.log()
 
 

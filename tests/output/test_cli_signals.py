@@ -2,7 +2,11 @@
 one line, exit status 128 + the signal. To a local directory: no `.tmp-*` file left, and the output
 directory it made for the run is gone again; to `s3://` (moto): no open multipart upload, no object.
 The source is served slowly (a throttling proxy in front of a static Range server), so "mid-write" is
-a state the test waits for, not a guess. And a write that fails for want of room leaves no directory."""
+a state the test waits for, not a guess. And a write that fails for want of room leaves no directory.
+
+`reshard pull` stopped mid-download the same way keeps what it has (`.NAME.part` and `.NAME.part.json`:
+what it resumes from), says so in one line, exits 128 + the signal, and the same pull then resumes and
+gives the shard `reshard write` gives."""
 
 from __future__ import annotations
 
@@ -10,7 +14,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +27,7 @@ from reshard.io.writer import PARTIAL_NAME
 from reshard.plan.types import rank_file_name
 from tests.support.fs import Mount, assert_clean, reshard
 from tests.support.hard import ThrottledProxy, wait_for
-from tests.support.live import REPO, make_ckpt
+from tests.support.live import REPO, live_server, make_ckpt
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(240)]
 
@@ -71,6 +75,23 @@ def _writing_locally(out: Path, pid: int) -> bool:
     return any(p.name.startswith(f"{TMP_PREFIX}{pid}-") and p.stat().st_blocks > 0 for p in names)
 
 
+def _stopped_midway(cmd: list[str], env: dict[str, str], midway: Callable[[int], bool], sig: signal.Signals) -> None:
+    """Run `cmd`, send it `sig` once `midway(its pid)` holds; it must exit by itself with 128 + the
+    signal (not die by it) and say so in one line, and nothing else."""
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        started = wait_for(lambda: proc.poll() is not None or midway(proc.pid), timeout=90, step=0.01)
+        assert started and proc.poll() is None, ("the command ended before it could be stopped", proc.poll())
+        proc.send_signal(sig)
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 128 + sig, (proc.returncode, stderr)  # its own exit, not death by the signal
+    assert stdout == "" and stderr.splitlines() == [f"reshard: interrupted by {sig.name}"], stderr
+
+
 def _open_uploads(boto: Any) -> list[str]:
     return [u["Key"] for u in boto.list_multipart_uploads(Bucket=BUCKET).get("Uploads", [])]
 
@@ -83,23 +104,11 @@ def test_write_stopped_mid_write_cleans_up(servers: dict[str, Any], tmp_path: Pa
     out_dir = tmp_path / "new" / "out"  # neither exists: the run makes both
     prefix = f"{where}-{sig.name.lower()}"
     out = str(out_dir) if where == "local" else f"s3://{BUCKET}/{prefix}"
-    proc = subprocess.Popen([sys.executable, "-m", "reshard.cli", "write", servers["src"], "--tp", "2", "-o", out,
-                             "--no-progress"], cwd=REPO, env=_env(servers["s3"]), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    try:
-        if where == "local":
-            started = wait_for(lambda: proc.poll() is not None or _writing_locally(out_dir, proc.pid), timeout=90, step=0.01)
-        else:
-            started = wait_for(lambda: proc.poll() is not None or bool(_open_uploads(boto)), timeout=90, step=0.05)
-        assert started and proc.poll() is None, ("the write ended before it could be stopped", proc.poll())
-        proc.send_signal(sig)
-        stdout, stderr = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-    assert proc.returncode == 128 + sig, (proc.returncode, stderr)  # its own exit, not death by the signal
-    assert stdout == "" and stderr.splitlines() == [f"reshard: interrupted by {sig.name}"], stderr
+    cmd = [sys.executable, "-m", "reshard.cli", "write", servers["src"], "--tp", "2", "-o", out, "--no-progress"]
+    if where == "local":
+        _stopped_midway(cmd, _env(servers["s3"]), lambda pid: _writing_locally(out_dir, pid), sig)
+    else:
+        _stopped_midway(cmd, _env(servers["s3"]), lambda pid: bool(_open_uploads(boto)), sig)
     assert _temps(tmp_path) == []
     if where == "local":
         left = sorted(os.listdir(out_dir)) if out_dir.exists() else []
@@ -121,3 +130,38 @@ def test_write_without_room_leaves_no_directory(fs: Mount, ckpt: Path) -> None:
     (fs.path / "there").mkdir()  # a directory that was there before stays, empty as it was
     assert_clean(reshard("write", ckpt, "--tp", 2, "-o", fs.path / "there", "--no-progress"), "MB free")
     assert sorted(p.name for p in (fs.path / "there").iterdir()) == []
+
+
+@pytest.fixture(scope="module")
+def slow_service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+    """A `reshard serve` of the checkpoint behind the throttling proxy: (its checkpoint URL, the tp=2
+    rank 0 `reshard write` gives)."""
+    from reshard.cli import main
+
+    root = tmp_path_factory.mktemp("pull-signals") / "root"
+    make_ckpt(root / "mid", **SIZES)
+    ref = root.parent / "ref"
+    assert main(["write", str(root / "mid"), "--tp", "2", "-o", str(ref), "--no-progress"]) == 0
+    with live_server(root, log_dir=root.parent) as srv:
+        host, port = srv.url.removeprefix("http://").split(":")
+        with ThrottledProxy((host, int(port)), rate=RATE, rcvbuf=64 << 10) as proxy:
+            yield f"{proxy.url}/v1/checkpoints/mid", ref / RANK0
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "sigint"])
+def test_pull_stopped_mid_download_keeps_its_partial_file_and_resumes(slow_service: tuple[str, Path], tmp_path: Path,
+                                                                      sig: signal.Signals) -> None:
+    url, want = slow_service
+    dest = tmp_path / "dl" / RANK0
+    part, meta = dest.with_name(f".{RANK0}.part"), dest.with_name(f".{RANK0}.part.json")
+    cmd = [sys.executable, "-m", "reshard.cli", "pull", url, "--rank", "0", "--tp", "2", "-o", str(dest), "--no-progress"]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    _stopped_midway(cmd, env, lambda pid: part.exists() and part.stat().st_size > 1 << 20, sig)
+    kept = part.stat().st_size
+    assert not dest.exists() and 1 << 20 <= kept < want.stat().st_size and meta.is_file()
+    assert part.read_bytes() == want.read_bytes()[:kept]  # what it kept is the shard's beginning
+    again = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0, again.stderr
+    assert "resumed at" in again.stderr, again.stderr
+    assert dest.read_bytes() == want.read_bytes()
+    assert sorted(p.name for p in dest.parent.iterdir()) == [RANK0]  # no .part, no .part.json

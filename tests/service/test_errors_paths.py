@@ -64,6 +64,24 @@ def test_server_paths_of_settings(tmp_path: Path) -> None:
 
 
 @pytest.mark.pure
+def test_paths_with_spaces_are_hidden_whole(tmp_path: Path) -> None:
+    """A path of the server with spaces in it: none of its directories shows, whether it is one of the
+    service's own (OUT...) or another (where a space used to end the path: `.../my` + ` models/x`)."""
+    from reshard.service.settings import Settings
+
+    base = tmp_path / "my models"
+    (base / "root").mkdir(parents=True)
+    (base / "sub dir").mkdir()
+    s = Settings(root=base / "root", out=base / "job out")
+    text = (f"{base}/job out/ck/tp-2: full; {base}/root/ck/a b.json: bad; {base}/sub dir/rank 0.safetensors: "
+            f"no space left (in {base}/sub dir); {base}/sub dir is missing")
+    assert ServerPaths.of(s).hide(text) == ("OUT/ck/tp-2: full; ck/a b.json: bad; .../rank 0.safetensors: no space "
+                                            "left (in .../sub dir); .../sub dir is missing")
+    for part in ("my models", "sub dir/", str(tmp_path)):
+        assert part not in ServerPaths.of(s).hide(text).replace(".../sub dir", "")
+
+
+@pytest.mark.pure
 def test_unnamed_os_errors_are_typed_without_a_path_or_free_space() -> None:
     """A write into an open file fails without a file name: no path to show, and no free-space figure
     (the old answer gave the free space of the server's working directory)."""

@@ -2,7 +2,8 @@
 there while it is read could not be told from the one planned (obstore reports the Unix epoch as its
 mtime), so such a source is refused before any rank file is started. The same server sending
 Last-Modified is read, and a rewrite mid-read (a new Last-Modified) fails the write with nothing
-published."""
+published; so does a rewrite within the same second as the file's last write (which keeps its
+Last-Modified): the version is taken only once that second is over (`reshard.io.stores.settled`)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import os
 import re
 import shutil
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -20,6 +22,7 @@ import pytest
 
 from reshard.cli import main
 from reshard.io.remote_dir import SPECULATIVE
+from reshard.io.stores import SETTLE
 from reshard.plan.types import rank_file_name
 from tests.support.live import make_ckpt
 
@@ -89,6 +92,7 @@ class _RangeServer(http.server.ThreadingHTTPServer):
         self.root, self.last_modified = root, last_modified
         self.on_data: Callable[[Path], None] | None = None
         self.data_requests = 0
+        self.first_data_at: float | None = None  # time.time() of the first request for a tensor's bytes
         self.lock = threading.Lock()
 
     @property
@@ -98,6 +102,7 @@ class _RangeServer(http.server.ThreadingHTTPServer):
     def data_request(self, path: Path) -> None:
         with self.lock:
             self.data_requests += 1
+            self.first_data_at = self.first_data_at or time.time()
             if self.on_data is not None:
                 hook, self.on_data = self.on_data, None
                 hook(path)
@@ -192,3 +197,57 @@ def test_unchanged_source_with_last_modified_is_written_as_local(versions: dict[
     for r in range(TP):
         name = rank_file_name(r, TP)
         assert (tmp_path / "out" / name).read_bytes() == (versions["a-ref"] / name).read_bytes(), name
+
+
+def _rewrite_in_place(new: Path) -> Callable[[Path], None]:
+    """A hook that overwrites a served file in place with the other version's bytes (same size), as an
+    editor or `cp` would: its mtime becomes the moment of the rewrite."""
+    def rewrite(path: Path) -> None:
+        with open(path, "r+b") as f:
+            f.write((new / path.name).read_bytes())
+    return rewrite
+
+
+def test_a_rewrite_within_the_second_of_the_last_write_is_never_published(
+        versions: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """The checkpoint is published at the start of a second and read at once; its first tensor read
+    rewrites it in place. Read within that second (as before), the rewrite kept the Last-Modified the
+    plan had, and the write gave exit 0 and a rank file of both versions. Now the version is taken
+    `SETTLE` s after the Last-Modified, so the rewrite comes later and has a new one: refused, in one
+    line, nothing published."""
+    monkeypatch.setenv("RESHARD_STORE_RETRIES", "0")
+    root, out = tmp_path / "root", tmp_path / "out"
+    root.mkdir()
+    with _serve(root, last_modified=True) as srv:
+        time.sleep(1 - time.time() % 1)  # the start of a second: the copy and the read begin in it
+        shutil.copytree(versions["a"], root / "ck", copy_function=shutil.copyfile)  # mtime: now
+        published = int((root / "ck" / "model.safetensors").stat().st_mtime)  # its Last-Modified (whole seconds)
+        srv.on_data = _rewrite_in_place(versions["b"])
+        rc = main(["write", f"{srv.url}/ck/", "--tp", str(TP), "-o", str(out), "--no-progress"])
+    lines = capsys.readouterr().err.splitlines()
+    assert srv.on_data is None and srv.first_data_at is not None  # the rewrite happened, at the first tensor read
+    assert rc == 1 and len(lines) == 1 and lines[0].startswith("reshard: error: "), (rc, lines)
+    assert f"{srv.url}/ck/model.safetensors: replaced while being read" in lines[0], lines[0]
+    assert srv.first_data_at >= published + SETTLE, (srv.first_data_at, published)  # after the version was settled
+    assert not out.exists() or not any(out.iterdir()), sorted(p.name for p in out.iterdir())
+
+
+def test_a_source_that_keeps_changing_is_refused(versions: dict[str, Path], tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """A Last-Modified ahead of this machine's clock (a server's clock far ahead, or a file written on
+    and on) never settles: after three reads, the plan is refused in one line naming the file."""
+    monkeypatch.setenv("RESHARD_STORE_RETRIES", "0")
+    shutil.copytree(versions["a"], tmp_path / "root" / "ck")
+    ahead = time.time() + 3600
+    for f in (tmp_path / "root" / "ck").iterdir():
+        os.utime(f, (ahead, ahead))
+    with _serve(tmp_path / "root", last_modified=True) as srv:
+        t0 = time.monotonic()
+        rc = main(["plan", f"{srv.url}/ck/", "--tp", str(TP)])
+        took = time.monotonic() - t0
+    err = capsys.readouterr().err
+    assert rc == 1 and err.count("\n") == 1, err
+    assert f"{srv.url}/ck/model.safetensors: modified within {SETTLE:g} s of each of 3 reads" in err, err
+    assert took >= 3 * SETTLE, took  # it waited for the version to settle before it gave up

@@ -1,12 +1,16 @@
 """`reshard serve --root s3://...|http://...` reads its store through the node's block cache
 (`reshard.io.store_cache`): against moto's S3 and a static HTTP server, concurrent pulls of every rank
 of two layouts, in two worker processes, fetch each block once; the cache stays within its size; an
-object replaced in the store is never served from its old blocks; `/metrics` counts the store bytes."""
+object replaced in the store is never served from its old blocks; `/metrics` counts the store bytes; a
+block whose worker is SIGKILLed as it writes it leaves no temp file once a replacement has started."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import shutil
+import signal
 import threading
 from pathlib import Path
 from typing import Any
@@ -15,7 +19,7 @@ import httpx
 import pytest
 
 from reshard.cli import main
-from tests.support.hard import metric, wait_for
+from tests.support.hard import Created, ThrottledProxy, metric, wait_for, workers
 from tests.support.live import LiveServer, live_server
 
 pytestmark = [pytest.mark.servers, pytest.mark.timeout(300)]
@@ -148,3 +152,43 @@ def _putter(kind: str, boto: Any, local_root: Path) -> Any:
         tmp.replace(dest)
 
     return put
+
+
+BLOCK_TEMP = re.compile(r"\.\d+\.(\d+)-\d+\.\d+")  # reshard.io.store_cache: .K.PID-START.THREAD
+
+
+def test_a_block_cut_by_a_killed_worker_is_removed_by_its_replacement(web: Any, local_root: Path,
+                                                                      tmp_path: Path) -> None:
+    """The worker writing a cached block is SIGKILLed the moment the block's temp file appears (the store
+    is slowed down, so the test sees the block's directory before the fetch ends). Before, such a temp
+    file stayed an hour, outside the cache's size; now the replacement worker removes it at its start,
+    and the shard is served whole from the cache and the store."""
+    cache = tmp_path / "cache"
+    host, port = web.url.removeprefix("http://").split(":")
+    with ThrottledProxy((host, int(port)), rate=512 << 10) as slow, \
+            live_server(f"{slow.url}/files", log_dir=tmp_path, workers=2, store_cache=1 << 30,  # type: ignore[arg-type]
+                        store_cache_block=64 << 10, store_cache_dir=cache) as serve:
+        with Created(cache) as made:
+            pull = threading.Thread(target=_pull_quietly, args=(f"{serve.ckpt_url('llama')}/shards/0?tp=2",))
+            pull.start()
+            sub = made.wait_for(lambda name: (cache / name).is_dir(), timeout=60)
+            assert sub is not None, sorted(os.listdir(cache))
+            with Created(cache / sub) as blocks:
+                temp = blocks.wait_for(BLOCK_TEMP.fullmatch, timeout=60)
+                assert temp is not None, sorted(os.listdir(cache / sub))
+                pid = int(BLOCK_TEMP.fullmatch(temp).group(1))  # type: ignore[union-attr]
+                os.kill(pid, signal.SIGKILL)
+            pull.join(120)
+        assert wait_for(lambda: pid not in workers(serve) and len(workers(serve)) == 2, timeout=60), serve.log()
+        assert wait_for(lambda: not (cache / sub / temp).exists(), timeout=30), sorted(os.listdir(cache / sub))
+        got = _pull_all(serve, "llama", [(2, 0)])[(2, 0)]
+        assert got == (_written(local_root, "llama", 2, tmp_path) / "rank-00000-of-00002.safetensors").read_bytes()
+        left = [p.name for p in cache.glob("*/.*")]
+        assert left == [], left  # every temp file was renamed into a block or removed
+        assert serve.alive() and "Traceback" not in serve.log(), serve.log()
+
+
+def _pull_quietly(url: str) -> None:
+    """A whole pull whose worker may die under it."""
+    with contextlib.suppress(httpx.HTTPError):
+        httpx.get(url, timeout=120)

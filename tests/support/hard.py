@@ -4,14 +4,20 @@
     live_server(root, ...)                    `live.live_server` with --workers 2 (WORKERS)
     verbose_server(root, token=..., out=...)  `reshard serve` logging everything (trace level, access log)
     metric(srv, prefix), fd_count(pid), rss_anon(pid), tree(path), wait_for(pred), raw_http(srv, head)
+    workers(srv)                              the worker processes of a `--workers N` server
+    cpu_hog(n)                                `n` processes spinning on the CPU while the block runs
+    Created(directory)                        names created in a directory, as they are (inotify)
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import os
+import select
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -44,6 +50,38 @@ def verbose_server(root: Path, *, token: str, out: Path, log_path: Path) -> Iter
         yield srv
     finally:
         _stop(proc)
+
+
+def workers(srv: LiveServer) -> list[int]:
+    """The worker processes of a `--workers N` server (not the supervisor, not multiprocessing's tracker)."""
+    out = []
+    for pid in process_tree(srv.proc.pid)[1:]:
+        try:
+            if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                out.append(pid)
+        except OSError:
+            continue
+    return out
+
+
+@contextlib.contextmanager
+def cpu_hog(n: int = 2) -> Iterator[list[int]]:
+    """`n` processes spinning on the CPU until the block ends (a machine whose cores other jobs take);
+    their pids. Each is checked to be running when the block starts."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    try:
+        assert wait_for(lambda: all(_cpu_ticks(p.pid) > 0 for p in procs), timeout=30), "the hog did not start"
+        yield [p.pid for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait(timeout=30)
+
+
+def _cpu_ticks(pid: int) -> int:
+    """User + system CPU time of `pid` so far, in clock ticks."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])
 
 
 def metric(srv: LiveServer, prefix: str) -> float:
@@ -113,3 +151,45 @@ class ThrottledProxy(LoopbackProxy):
         while data := up.recv(32768):
             client.sendall(data)
             time.sleep(len(data) / self.rate)
+
+
+class Created:
+    """The names created in `directory` from now on, the moment each is (Linux inotify, IN_CREATE), so
+    a test can act on a file before its writer writes to it (SIGKILL the writer of a temp file)."""
+
+    _IN_CREATE = 0x100
+
+    def __init__(self, directory: Path) -> None:
+        self._libc = ctypes.CDLL(None, use_errno=True)
+        self.fd = self._libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
+        if self.fd < 0 or self._libc.inotify_add_watch(self.fd, os.fsencode(directory), self._IN_CREATE) < 0:
+            raise OSError(ctypes.get_errno(), f"inotify on {directory}")
+        self._pending: list[str] = []
+
+    def next(self, timeout: float) -> str | None:
+        """The next name created (None after `timeout` seconds without one)."""
+        deadline = time.monotonic() + timeout
+        while not self._pending:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([self.fd], [], [], left)[0]:
+                return None
+            data = os.read(self.fd, 65536)
+            while data:
+                _wd, _mask, _cookie, n = struct.unpack_from("iIII", data)
+                self._pending.append(data[16 : 16 + n].rstrip(b"\0").decode())
+                data = data[16 + n :]
+        return self._pending.pop(0)
+
+    def wait_for(self, pred: Callable[[str], bool], timeout: float) -> str | None:
+        """The first name created that `pred` accepts, within `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        while (name := self.next(deadline - time.monotonic())) is not None:
+            if pred(name):
+                return name
+        return None
+
+    def __enter__(self) -> Created:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        os.close(self.fd)

@@ -7,6 +7,10 @@ without a q LoRA) and `kv_b_proj` as `column` with `heads=num_attention_heads` (
 `heads x v_head_dim`). The shared latents (`q_a_proj`, `kv_a_proj_with_mqa` and their norms) stay
 replicated; the rope part of `kv_a_proj_with_mqa` is used by every head, so its gradient is summed
 over ranks (`hf_style: mla_kv_a_proj`, as in transformers' DeepSeek-V2 plan).
+
+`num_attention_heads` is read as every derived plan reads it (`ConfigSizes`: config.json, else the
+config class's default): a value that is not a positive integer (0, -4, "4") is one `ManifestError`
+naming the field, never a silent fallback to replicating everything.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ import re
 from typing import Any
 
 from reshard.rules.manifest import Rule, register_config_rules
+from reshard.rules.tp_plans.derive import ConfigSizes
+from reshard.rules.tp_plans.entry import PlanEntry, table_entry
 from reshard.settings import library_settings
 
 _PER_HEAD = {"q_b_proj": "column", "q_proj": "column", "kv_b_proj": "column", "o_proj": "row",
@@ -26,8 +32,10 @@ _ATTN = re.compile(r"(?P<pre>.*\.self_attn)\.(?P<leaf>[a-z_]+)\.(weight|bias)")
 def mla_head_rules(config: dict[str, Any], names: list[str]) -> list[Rule]:
     if library_settings().mla != "heads" or not config.get("kv_lora_rank"):
         return []
-    heads = config.get("num_attention_heads")
-    if type(heads) is not int or heads <= 0:
+    model_type = str(config.get("model_type"))
+    entry = table_entry(model_type) or PlanEntry(model_type=model_type, base_plan={})
+    heads = ConfigSizes(entry, config)["heads"]  # a positive integer, else one ManifestError naming the field
+    if heads is None:
         return []
     leaves = {m.group("leaf") for n in names if (m := _ATTN.fullmatch(n))}
     rules = []

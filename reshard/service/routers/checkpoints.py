@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Path, Query, Request, Response
@@ -46,6 +46,7 @@ from reshard.service.uploads import receive_upload
 
 router = APIRouter(prefix="/v1/checkpoints", tags=["checkpoints"])
 MAX_LISTED = 1 << 20  # tensor entries (tp x tensors) one JSON plan lists
+MAX_DEGREES = 8  # distinct tp values one `PUT .../rules?tp=` validates
 _BATCH = 4096  # tensor entries planned and rendered per worker-thread call
 FILE_PATTERN = r"^([A-Za-z0-9][A-Za-z0-9_-]*(\.[A-Za-z0-9_-]+)*\.safetensors|config\.json|model\.safetensors\.index\.json)$"
 
@@ -148,10 +149,23 @@ def get_rules(name: Name, catalog: CatalogDep, label: Rules = None) -> dict[str,
 async def put_rules(name: Name, body: ManifestIn, catalog: CatalogDep,
                     label: Label = DEFAULT_LABEL,
                     tp: Annotated[list[Annotated[int, Field(ge=1, le=MAX_TP)]] | None,
-                                  Query(description="degrees that must plan", max_length=64)] = None
+                                  Query(description=f"degrees that must plan: at most {MAX_DEGREES}, adding up "
+                                        f"to at most {MAX_TP} ranks")] = None
                     ) -> dict[str, Any]:
+    tps = validated_degrees(tp or ())
     manifest = await off_loop(Manifest.from_dict, body.to_obj(), source=f"stored manifest {label!r}")
-    return await off_loop(catalog.store_rules, name, manifest, label=label, tps=tp or ())
+    return await off_loop(catalog.store_rules, name, manifest, label=label, tps=tps)
+
+
+def validated_degrees(tps: Sequence[int]) -> tuple[int, ...]:
+    """The distinct degrees `PUT .../rules?tp=` plans, bounded so that one request plans no more ranks
+    than the largest plan (tp=MAX_TP) does; BadRequest beyond."""
+    distinct = tuple(sorted(set(tps)))
+    if len(distinct) > MAX_DEGREES or sum(distinct) > MAX_TP:
+        raise BadRequest(f"tp={','.join(map(str, distinct))}: {len(distinct)} degrees of {sum(distinct)} ranks in "
+                         f"all; one request validates at most {MAX_DEGREES} degrees of at most {MAX_TP} ranks in "
+                         "all: send the others in another request")
+    return distinct
 
 
 @router.put(
