@@ -97,7 +97,7 @@ def test_plans_come_from_the_shipped_table_whatever_transformers_is_installed(mo
     def no_live(model_type: str) -> None:
         raise AssertionError("the installed transformers was read")
 
-    monkeypatch.setattr(tp_plans, "_live", no_live)
+    monkeypatch.setattr(tp_plans, "live_entry", no_live)
     manifest = from_config({"model_type": "qwen2_moe", "num_attention_heads": 4, "num_key_value_heads": 2},
                            ["model.layers.0.mlp.experts.1.gate_proj.weight", "model.layers.0.mlp.experts.1.down_proj.weight"])
     assert [r.kind for r in manifest.rules] == ["column", "row"]
