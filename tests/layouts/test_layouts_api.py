@@ -184,6 +184,19 @@ def test_service_plan_shard_and_job(client: TestClient, moe: Path, tmp_path: Pat
     assert written.name == rank_file_name(3, 8) and written.read_bytes() == (tmp_path / "written" / written.name).read_bytes()
 
 
+def test_service_tp_defaults_to_one(client: TestClient, moe: Path, tmp_path: Path) -> None:
+    """A request without `?tp=` is tp=1, as every other size: the plan and the shard of `Layout(pp=2)`."""
+    src, manifest = open_source(moe / "moe")
+    plan = make_plan(src, manifest, Layout(pp=2))
+    body = client.get("/v1/checkpoints/moe/plan?pp=2&tensors=false").json()
+    assert (body["tp"], body["layout"], body["plan"]) == (1, Layout(pp=2).sizes(), plan_to_json(plan)["plan"])
+    write_shards(src, plan, tmp_path / "pp2", progress=False)
+    r = client.get("/v1/checkpoints/moe/shards/1?pp=2")
+    assert r.status_code == 200 and r.content == (tmp_path / "pp2" / rank_file_name(1, 2)).read_bytes()
+    write_shards(src, make_plan(src, manifest, 1), tmp_path / "tp1", progress=False)
+    assert client.get("/v1/checkpoints/moe/shards/0").content == (tmp_path / "tp1" / rank_file_name(0, 1)).read_bytes()
+
+
 def _names_of_stages(model: torch.nn.Module, names: set[str], pp: int) -> list[set[str]]:
     """What each pipeline stage holds of checkpoint `names`, from transformers' own model: its pipeline plan's
     modules in order, the one that is a ModuleList the layers (split by `layer_range_for_rank`), those before
