@@ -104,15 +104,10 @@ class Placement:
         roles = self.roles
         if roles is None:
             return rules
-        split: dict[tuple[int, int], Rule] = {}
-        out: dict[str, Rule] = {}
-        for name, kind in zip(roles.names, roles.kinds.tolist()):
-            rule = rules[name]
-            if kind:
-                key = (id(rule), kind)
-                rule = split.get(key) or split.setdefault(key, copy.copy(rule))
-            out[name] = rule
-        return out
+        chosen = list(map(rules.__getitem__, roles.names))
+        keys = list(zip(map(id, chosen), roles.kinds.tolist()))
+        placed = {key: copy.copy(rule) if key[1] else rule for key, rule in dict(zip(keys, chosen)).items()}
+        return dict(zip(roles.names, map(placed.__getitem__, keys)))
 
     def select(self, name: str, shape: tuple[int, ...], rule: Rule, rank: int) -> Selection:
         """The part of tensor `name` (global `shape`) rank `rank` holds."""

@@ -98,7 +98,7 @@ class Roles:
 
     def __init__(self, names: list[str], columns: dict[str, np.ndarray], spec: dict[str, Any]) -> None:
         self.names, self.spec = names, spec
-        self.index = {n: i for i, n in enumerate(names)}
+        self.index = dict(zip(names, range(len(names))))
         self.stage, self.layer = columns["stage"], columns["layer"]
         self.experts, self.expert = columns["experts"], columns["expert"]
         self.ep, self.buffer = columns["ep"], columns["buffer"]
