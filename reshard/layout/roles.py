@@ -116,17 +116,9 @@ class Roles:
         return Role(_STAGES[self.stage[i]], int(self.layer[i]), int(self.experts[i]), expert if expert >= 0 else None,
                     bool(self.ep[i]), bool(self.buffer[i]))
 
-    def kind(self, name: str) -> int:
-        i = self.index.get(name)
-        return 0 if i is None else int(self.kinds[i])
-
     @property
     def num_layers(self) -> int:
         return int(self.spec["layers"])
-
-    @property
-    def has_experts(self) -> bool:
-        return bool((self.experts > 0).any())
 
     @property
     def has_ep_plan(self) -> bool:
