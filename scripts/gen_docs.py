@@ -295,17 +295,28 @@ def gen_coverage() -> str:
 LAYOUTS = ROOT / "tests" / "layouts" / "results" / "combinations.json"
 
 
+def _by_value(archs: dict[str, dict[str, str]], key: str) -> list[tuple[str, list[str]]]:
+    """(value, the checkpoints with it) for one field of the per-checkpoint findings, in value order."""
+    groups: dict[str, list[str]] = {}
+    for arch in archs.values():
+        groups.setdefault(arch[key], []).append(arch["label"])
+    return sorted((v, sorted(labels)) for v, labels in groups.items())
+
+
 def gen_layouts() -> str:
-    """The layout tests' findings (written with RESHARD_LAYOUTS_OUT=...): per combination, whether
-    transformers loads it and what reshard's rank files equal, per architecture."""
+    """The layout tests' findings (written with RESHARD_LAYOUTS_OUT=...): per combination and checkpoint,
+    whether transformers loads it (else its own error) and what reshard's rank files equal."""
     data = json.loads(LAYOUTS.read_text(encoding="utf-8"))
     rows = []
     for _, c in sorted(data["combinations"].items(), key=lambda kv: (kv[1]["world"], kv[0])):
         sizes = " x ".join(f"{k.removesuffix('_size')}={v}" for k, v in c["sizes"].items())
-        loads = "yes" if c["transformers"] == "loads" else f"no: `{c['transformers']}`"
-        equal = sorted({v for v in c["archs"].values()})
-        archs = ", ".join(sorted(c["archs"]))
-        rows.append([sizes, c["world"], loads, f"{' / '.join(equal)} ({archs})"])
+        loads = _by_value(c["archs"], "transformers")
+        if len(loads) == 1:
+            cell = "yes" if loads[0][0] == "loads" else f"no: `{loads[0][0]}`"
+        else:
+            cell = "; ".join(("yes" if v == "loads" else f"no: `{v}`") + f" ({', '.join(labels)})" for v, labels in loads)
+        equal = "; ".join(f"{v} ({', '.join(labels)})" for v, labels in _by_value(c["archs"], "reshard"))
+        rows.append([sizes, c["world"], cell, equal])
     head = (f"From `tests/layouts/results/combinations.json` (`RESHARD_LAYOUTS_OUT=... pytest tests/layouts`), "
             f"transformers {data['transformers_version']}.")
     return "\n".join([head, "", *_table(["combination", "ranks", "transformers loads it", "reshard's rank files"], rows)])

@@ -129,6 +129,7 @@ def match_targets(model: nn.Module, header: RankHeader) -> tuple[dict[str, torch
             problems += _check(n, v.view, v.held, described[n], shapes[n], lambda v=v: (
                 f"expert {v.expert} of {v.param}, a view of {_describe_param(state[v.param])}"))
     missing, unexpected = uncovered(state, layout, views, shapes)
+    missing = [n for n in missing if _local(state[n]).numel()]  # an empty FSDP chunk (no expert of it here) needs nothing
     missing += partly_covered(views)
     if missing or unexpected:
         problems.insert(0, f"missing from the shard: {_names(missing)}; in the shard but not in the model: "

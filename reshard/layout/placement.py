@@ -56,7 +56,6 @@ class Placement:
         if roles is None and not layout.tp_only:
             raise PlanError(f"{layout.describe()}: placing tensors beyond tp needs their roles")
         self.layout, self.roles = layout, roles
-        self._rules: dict[tuple[int, int], Rule] = {}
 
     # --- which rank holds what -----------------------------------------------------------------
 
@@ -81,42 +80,34 @@ class Placement:
         roles = self.roles
         assert roles is not None and list(tensors) == roles.names
         keep = roles.on_stage(c.pp, self.layout.pp)
-        per_expert = roles.expert >= 0
-        if per_expert.any():
-            lo = np.zeros(len(keep), np.int64)
-            hi = np.zeros(len(keep), np.int64)
-            for n, ep in {(int(n), bool(ep)) for n, ep in zip(roles.experts[per_expert], roles.ep[per_expert])}:
-                these = per_expert & (roles.experts == n) & (roles.ep == ep)
-                lo[these], hi[these] = self._experts(n, ep, c)
-            keep &= ~per_expert | ((lo <= roles.expert) & (roles.expert < hi))
-        names = [roles.names[i] for i in np.flatnonzero(keep)]
+        for n, ep, these in roles.expert_kinds():
+            lo, hi = self._experts(n, ep, c)
+            keep &= ~these | ((lo <= roles.expert) & (roles.expert < hi))
+        names = list(map(roles.names.__getitem__, np.flatnonzero(keep).tolist()))
         infos = getattr(tensors, "infos", None)
         if infos is not None:
             return WholeTensors({n: infos[n] for n in names})
         return {n: tensors[n] for n in names}
 
-    def subset(self, c: Coords) -> tuple[int, ...]:
-        """Ranks with the same subset key hold the same tensors (each its own part of them)."""
-        lay = self.layout
-        if lay.tp_only:
+    def subset(self, c: Coords) -> tuple[Any, ...]:
+        """Ranks with the same subset key hold the same tensors (each its own part of them): those of one
+        pipeline stage holding the same range of experts of every kind of per-expert tensor."""
+        if self.layout.tp_only or self.roles is None:
             return ()
-        return (c.pp, c.ep, c.efsdp, c.fsdp if self.roles is not None and self.roles.has_experts else 0)
+        return (c.pp, *(self._experts(n, ep, c) for n, ep, _ in self.roles.expert_kinds()))
 
     # --- which part ------------------------------------------------------------------------------
 
-    def rule_for(self, rule: Rule, name: str) -> Rule:
-        """`rule` as the planner should group by: one object per rule and role kind (tensors of one rule
-        whose roles differ are placed differently); the rule itself for TP-only layouts."""
-        if self.roles is None:
-            return rule
-        kind = self.roles.kind(name)
-        if not kind:
-            return rule
-        key = (id(rule), kind)
-        hit = self._rules.get(key)
-        if hit is None:
-            hit = self._rules[key] = copy.copy(rule)
-        return hit
+    def rules_for(self, rules: Mapping[str, Rule]) -> Mapping[str, Rule]:
+        """Each tensor's rule as the planner should group by: one object per rule and role kind (tensors
+        of one rule whose roles differ are placed differently); the rules themselves for TP-only layouts."""
+        roles = self.roles
+        if roles is None:
+            return rules
+        chosen = list(map(rules.__getitem__, roles.names))
+        keys = list(zip(map(id, chosen), roles.kinds.tolist()))
+        placed = {key: copy.copy(rule) if key[1] else rule for key, rule in dict(zip(keys, chosen)).items()}
+        return dict(zip(roles.names, map(placed.__getitem__, keys)))
 
     def select(self, name: str, shape: tuple[int, ...], rule: Rule, rank: int) -> Selection:
         """The part of tensor `name` (global `shape`) rank `rank` holds."""
@@ -140,6 +131,29 @@ class Placement:
         local = sum(b - a for a, b in sel[0])
         return (take(sel[0], *chunk(local, lay.fsdp, c.fsdp)), *sel[1:])
 
+    def replicated(self, name: str, shape: tuple[int, ...], rule: Rule, rank: int, sel: Selection) -> bool:
+        """Whether rank `rank` holds tensor `name` (its part `sel`) whole, as another rank of its model
+        replica (its pipeline stage of one dp_replicate group: the fsdp x tp ranks that split tensors) does:
+        a tensor every rank of a TP group holds, not an expert only this rank holds."""
+        if sel != full_selection(shape):
+            return False
+        lay = self.layout
+        if lay.tp_only:
+            return True  # (as every rank of the TP group holds it)
+        c = lay.coords(rank)
+        role = self.role(name)
+        first = rank - (c.fsdp * lay.tp + c.tp)
+        for peer in range(first, first + lay.fsdp * lay.tp):
+            if peer == rank:
+                continue
+            if role.expert is not None:
+                lo, hi = self.experts(role, lay.coords(peer))
+                if not lo <= role.expert < hi:
+                    continue
+            if self.select(name, shape, rule, peer) == sel:
+                return True
+        return False
+
     # --- what a rank file says about itself ------------------------------------------------------
 
     def metadata(self, rank: int) -> dict[str, str]:
@@ -159,6 +173,11 @@ class Placement:
         if roles is None:
             return
         if lay.pp > 1:
+            if not roles.stack:
+                arch = roles.spec["model_type"] or "this checkpoint (no model_type)"
+                pre = f"{roles.spec['prefix']}." if roles.spec["prefix"] else ""
+                raise PlanError(f"pp={lay.pp}: no tensor of this {arch} checkpoint is in a decoder layer of its pipeline "
+                                f"plan ({pre}{{{','.join(roles.spec['pp_plan'])}}}.N), so its stages are unknown; use pp=1")
             layers = roles.num_layers
             if layers < lay.pp:
                 raise PlanError(f"pp={lay.pp} is more pipeline stages than the {layers} layers of this model "

@@ -50,8 +50,6 @@ class RankPlanner:
 
     def __init__(self, tensors: Mapping[str, GlobalTensor], files: dict[str, tuple[int, int | str]],
                  rules: Mapping[str, Rule], placement: Placement) -> None:
-        if not placement.layout.tp_only:  # tensors of one rule placed differently (experts) group apart
-            rules = {n: placement.rule_for(rules[n], n) for n in tensors}
         self.tensors, self.files, self.rules, self.placement = tensors, files, rules, placement
         infos = getattr(tensors, "infos", None)  # format.WholeTensors: every tensor is one whole piece
         if infos is not None:
@@ -159,7 +157,8 @@ class RankPlanner:
         read = sum(bytes_read(s) for s in segments)
         entry = json.dumps({"dtype": gt.dtype, "shape": list(shape)}, separators=_COMPACT)[:-1]
         info = gt.pieces[0].info
-        return _Layout(sel, shape, nbytes, read, probe.replicated, segments, str(info.file), info.start,
+        replicated = self.placement.replicated(name, gt.shape, rule, rank, sel)
+        return _Layout(sel, shape, nbytes, read, replicated, segments, str(info.file), info.start,
                        json.dumps(probe.describe(), separators=_COMPACT, sort_keys=True),
                        entry + ',"data_offsets":[')
 
@@ -236,7 +235,8 @@ class LayoutPlanner:
 
     def __init__(self, tensors: Mapping[str, GlobalTensor], files: dict[str, tuple[int, int | str]],
                  rules: Mapping[str, Rule], placement: Placement) -> None:
-        self.tensors, self.files, self.rules, self.placement = tensors, files, rules, placement
+        # tensors of one rule placed differently (experts) group apart: their rules split once, for every rank
+        self.tensors, self.files, self.rules, self.placement = tensors, files, placement.rules_for(rules), placement
         self.layout = placement.layout
         self._planners: dict[tuple[int, ...], RankPlanner] = {}
 

@@ -66,16 +66,16 @@ StreamDep = Annotated[StreamContext, Depends(get_stream_context)]
 _NAME_DOC = {"pattern": NAME_PATTERN, "maxLength": 128}
 Name = Annotated[str, Path(description="checkpoint directory name under the root (no '..', no separators)",
                            json_schema_extra=_NAME_DOC)]
-TP = Annotated[int, Query(ge=1, le=MAX_TP, description="tensor-parallel degree")]
+TP = Annotated[int, Query(ge=1, le=MAX_TP, description="tensor-parallel degree (1 unless given)")]
 Size = Annotated[int, Query(ge=1, le=MAX_WORLD)]
 
 
-def layout_query(tp: TP, pp: Annotated[Size, Query(description="pipeline stages")] = 1,
+def layout_query(tp: TP = 1, pp: Annotated[Size, Query(description="pipeline stages")] = 1,
                  fsdp: Annotated[Size, Query(description="FSDP shards of every parameter")] = 1,
                  ep: Annotated[Size, Query(description="expert-parallel degree")] = 1,
                  dp_replicate: Annotated[Size, Query(description="data-parallel replicas (HSDP)")] = 1) -> Layout:
-    """The layout a request names: `?tp=` (required) and `pp`, `fsdp`, `ep`, `dp_replicate` (each 1 unless
-    given); an impossible one (ep not a multiple of tp, ...) is a 422 naming the rule."""
+    """The layout a request names: `?tp=`, `pp`, `fsdp`, `ep`, `dp_replicate` (each 1 unless given); an
+    impossible one (ep not a multiple of tp, ...) is a 422 naming the rule."""
     return Layout(tp=tp, pp=pp, fsdp=fsdp, ep=ep, dp_replicate=dp_replicate)
 
 

@@ -149,7 +149,7 @@ class DigestOut(BaseModel):
 class JobIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    tp: int = Field(ge=1, le=MAX_TP, strict=True)
+    tp: int = Field(1, ge=1, le=MAX_TP, strict=True, description="tensor-parallel degree")
     pp: int = Field(1, ge=1, le=MAX_TP, strict=True, description="pipeline stages")
     fsdp: int = Field(1, ge=1, le=MAX_TP, strict=True, description="FSDP shards of every parameter")
     ep: int = Field(1, ge=1, le=MAX_TP, strict=True, description="expert-parallel degree")

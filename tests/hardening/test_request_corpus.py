@@ -86,7 +86,6 @@ CASES: dict[str, tuple[tuple[str, bytes], int, str, str]] = {
     "tp-word": (_get(f"{S}/0?tp=two"), 422, "ValidationError", "query.tp: Input should be a valid integer"),
     "tp-float": (_get(f"{S}/0?tp=1.5"), 422, "ValidationError", "query.tp: Input should be a valid integer"),
     "tp-empty": (_get(f"{S}/0?tp="), 422, "ValidationError", "query.tp: Input should be a valid integer"),
-    "tp-missing": (_get(f"{S}/0"), 422, "ValidationError", "query.tp: Field required"),
     "plan-tp-zero": (_get("/v1/checkpoints/llama/plan?tp=0"), 422, "ValidationError", "query.tp: Input should be greater"),
     "digest-rank-equals-tp": (_get(f"{S}/4/digest?tp=4"), 422, "PlanError", "rank=4 is out of range for tp=4"),
     "tensors-not-bool": (_get("/v1/checkpoints/llama/plan?tp=2&tensors=maybe"), 422, "ValidationError",

@@ -182,3 +182,137 @@ def test_service_plan_shard_and_job(client: TestClient, moe: Path, tmp_path: Pat
     assert job["state"] == "done", job
     written = Path(job["outputs"][0])
     assert written.name == rank_file_name(3, 8) and written.read_bytes() == (tmp_path / "written" / written.name).read_bytes()
+
+
+def test_service_tp_defaults_to_one(client: TestClient, moe: Path, tmp_path: Path) -> None:
+    """A request without `?tp=` is tp=1, as every other size: the plan and the shard of `Layout(pp=2)`."""
+    src, manifest = open_source(moe / "moe")
+    plan = make_plan(src, manifest, Layout(pp=2))
+    body = client.get("/v1/checkpoints/moe/plan?pp=2&tensors=false").json()
+    assert (body["tp"], body["layout"], body["plan"]) == (1, Layout(pp=2).sizes(), plan_to_json(plan)["plan"])
+    write_shards(src, plan, tmp_path / "pp2", progress=False)
+    r = client.get("/v1/checkpoints/moe/shards/1?pp=2")
+    assert r.status_code == 200 and r.content == (tmp_path / "pp2" / rank_file_name(1, 2)).read_bytes()
+    write_shards(src, make_plan(src, manifest, 1), tmp_path / "tp1", progress=False)
+    assert client.get("/v1/checkpoints/moe/shards/0").content == (tmp_path / "tp1" / rank_file_name(0, 1)).read_bytes()
+
+
+def _names_of_stages(model: torch.nn.Module, names: set[str], pp: int) -> list[set[str]]:
+    """What each pipeline stage holds of checkpoint `names`, from transformers' own model: its pipeline plan's
+    modules in order, the one that is a ModuleList the layers (split by `layer_range_for_rank`), those before
+    it on the first stage, those after it and `lm_head` on the last."""
+    from transformers.distributed.pipeline_parallel import PipelineStage
+
+    base, prefix = model.base_model, model.base_model_prefix
+    modules = list(model.config.base_model_pp_plan)
+    at = next(i for i, m in enumerate(modules) if isinstance(getattr(base, m), torch.nn.ModuleList))
+    stages: list[set[str]] = [set() for _ in range(pp)]
+    for stage in range(pp):
+        lo, hi = PipelineStage.layer_range_for_rank(SimpleNamespace(pp_size=pp), stage, len(getattr(base, modules[at])))
+        for name in names:
+            module = next((i for i, m in enumerate(modules) if name.startswith(f"{prefix}.{m}.")), None)
+            if name.startswith("lm_head.") or (module is not None and module > at):
+                held = stage == pp - 1
+            elif module is not None and module < at:
+                held = stage == 0
+            elif module == at:
+                held = lo <= int(name.split(".")[2]) < hi
+            else:
+                held = True
+            if held:
+                stages[stage].add(name)
+    return stages
+
+
+def test_pipeline_plan_places_a_stack_of_another_name(tmp_path: Path) -> None:
+    """GPT-J's decoder layers are `transformer.h.N` (pipeline plan wte, drop, h, ln_f), not `PREFIX.layers.N`:
+    each stage holds its own layers, the embedding the first, the final norm and head the last
+    (transformers' own pp cannot load it: `'GPTJModel' object has no attribute 'layers'`)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tests.support.plan_archs import ARCHS
+
+    arch = next(a for a in ARCHS if a.model_type == "gptj")
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model("gptj", **{**arch.config_kwargs, "n_layer": 3, "num_hidden_layers": 3}))
+    model.save_pretrained(tmp_path / "gptj")
+    full = full_checkpoint(tmp_path / "gptj")
+    src, manifest = open_source(tmp_path / "gptj")
+    plan = make_plan(src, manifest, Layout(pp=2))
+    want = _names_of_stages(model, set(full), 2)
+    assert [{t.name for t in rp.tensors} for rp in plan.ranks] == want
+    assert "transformer.h.1.attn.q_proj.weight" in want[0] and "transformer.h.2.mlp.fc_in.weight" in want[1]
+
+
+def test_pp_without_a_layer_stack_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from safetensors.torch import save_file
+
+    (tmp_path / "odd").mkdir()
+    save_file({f"model.blocks.{i}.weight": torch.ones(4, 4) for i in range(2)}, str(tmp_path / "odd" / "model.safetensors"))
+    (tmp_path / "odd" / "config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 2}))
+    assert main(["plan", str(tmp_path / "odd"), "--pp", "2"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "pp=2: no tensor of this llama checkpoint is in a decoder layer of its pipeline " \
+        "plan (model.{embed_tokens,layers,norm}.N), so its stages are unknown; use pp=1" in err, err
+    assert main(["plan", str(tmp_path / "odd"), "--pp", "1"]) == 0
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("num_hidden_layers", "3", "num_hidden_layers='3' must be a positive integer"),
+    ("num_hidden_layers", 0, "num_hidden_layers=0 must be a positive integer"),
+    ("num_hidden_layers", 2.0, "num_hidden_layers=2.0 must be a positive integer"),
+    ("tie_word_embeddings", "false", "tie_word_embeddings='false' must be true or false"),
+    ("tie_word_embeddings", 0, "tie_word_embeddings=0 must be true or false"),
+])
+def test_config_fields_are_checked(moe: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], field: str,
+                                   value: Any, message: str) -> None:
+    """`bool("false")` is True: a config.json field of the wrong type is one error naming it, not a guess."""
+    ckpt = tmp_path / "moe"
+    ckpt.mkdir()
+    for p in (moe / "moe").iterdir():
+        (ckpt / p.name).symlink_to(p)
+    config = json.loads((moe / "moe" / "config.json").read_text())
+    (ckpt / "config.json").unlink()
+    (ckpt / "config.json").write_text(json.dumps({**config, field: value}))
+    assert main(["plan", str(ckpt), "--pp", "2"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"config.json: {message}; fix config.json" in err, err
+
+
+def test_ranks_of_one_stage_share_a_planner(moe: Path) -> None:
+    """Ranks holding the same tensors plan with one planner: without ep every rank of a stage (tp and fsdp
+    cut the same tensors); with ep those holding the same experts."""
+    from reshard.plan.planner import make_planner
+
+    src, manifest = open_source(moe / "moe")
+    for layout, groups in [(Layout(tp=4, pp=2), [[0, 1, 2, 3], [4, 5, 6, 7]]),
+                           (Layout(tp=2, fsdp=2, pp=2), [[0, 1], [2, 3], [4, 5], [6, 7]]),  # experts chunked by fsdp
+                           (Layout(tp=2, ep=2), [[0], [1]]), (Layout(tp=2, fsdp=2, ep=2), [[0], [1], [2], [3]])]:
+        planner, _ = make_planner(src, manifest, layout)
+        shared = {}
+        for rank in range(layout.world):
+            shared.setdefault(id(planner.planner(rank)), []).append(rank)
+        assert sorted(shared.values()) == groups, layout
+
+
+@pytest.mark.parametrize("layout", [Layout(tp=2, ep=2), Layout(pp=3), Layout(pp=2, fsdp=2, tp=2, ep=4), Layout(tp=4),
+                                    Layout(fsdp=2, tp=2)], ids=lambda lay: lay.dir_name())
+def test_replicated_is_held_whole_by_another_rank(moe: Path, tmp_path: Path, layout: Layout) -> None:
+    """A rank's replicated bytes are those of the tensors it holds whole that another rank of its model
+    replica (its stage's fsdp x tp ranks) holds whole too, read from the rank files: not an expert only it holds."""
+    src, manifest = open_source(moe / "moe")
+    plan = make_plan(src, manifest, layout)
+    write_shards(src, plan, tmp_path, progress=False)
+    whole: list[dict[str, int]] = []
+    for rank in range(layout.world):
+        with safe_open(str(tmp_path / rank_file_name(rank, layout.world)), "pt") as f:
+            desc = json.loads(f.metadata()["tensors"])
+            whole.append({n: f.get_tensor(n).nbytes for n in f.keys()
+                          if desc[n]["select"] == [[[0, size]] for size in desc[n]["shape"]]})
+    block = layout.fsdp * layout.tp
+    for rank, rp in enumerate(plan.ranks):
+        peers = [p for p in range(rank - rank % block, rank - rank % block + block) if p != rank]
+        want = sum(n for name, n in whole[rank].items() if any(name in whole[p] for p in peers))
+        assert rp.stats()["replicated_bytes"] == want, (rank, rp.stats())
+    total = [rp.stats()["replicated_bytes"] for rp in plan.ranks]
+    if layout.fsdp == 1:  # norms are replicated over tp (FSDP shards them); nothing is within one rank
+        assert (min(total) > 0) == (block > 1), total
