@@ -21,7 +21,7 @@ def healthz() -> dict[str, str]:
     return {"status": "ok"}
 
 
-@app.get("/files/{name:path}")
+@app.api_route("/files/{name:path}", methods=["GET", "HEAD"])
 def get_file(name: str) -> FileResponse:
     path = (ROOT / name).resolve()
     if not path.is_relative_to(ROOT) or not path.is_file():

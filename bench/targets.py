@@ -50,6 +50,8 @@ def evaluate(results: dict[str, Any]) -> list[dict[str, Any]]:
     out.append(_t("peak RssAnon growth 1 GB -> 4 GB", "-" if g is None else f"{g * 100:+.1f}%", "< +10%",
                   None if g is None else g < 0.10))
     out += serve_targets(results)
+    store = find(results, "store serve 1gb tp8")
+    out += store_serve_targets(store) if store else []
     out += plan_targets(results)
     t = find(results, "trainer start-up tp2")
     r = pair_ratio(t, "http", "disk") if t else None
@@ -114,3 +116,33 @@ def plan_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
         _t("first byte of a served shard, cold / warm", f"{fb.get('cold_s', float('nan')):.2f} s / "
            f"{fb.get('warm_s', float('nan')):.2f} s", "<= 1 s / at once", fb.get("cold_s", 9) <= 1.0),
     ]
+
+
+def store_serve_targets(res: dict[str, Any]) -> list[dict[str, Any]]:
+    """Issue 23, item 1 (`bench.compare_store_serve`): the 8 ranks of tp=8 through one service whose root
+    is in a store fetch at most 1.05x the checkpoint from it, in at most 1.1x the time of downloading the
+    checkpoint and serving it locally (ratio: median of the per-round ratios)."""
+    full, cached = res["checkpoint_bytes"], res["cases"]["store, cache"]
+    fetched = cached["median_store_bytes"] / full
+    ratio = pair_ratio(res, "store, cache", "download + serve")
+    assert ratio is not None
+    return [_t(f"store bytes, {res['tp']} ranks of tp={res['tp']} through one service, store root", f"{fetched:.2f}x "
+               "the checkpoint", "<= 1.05x", fetched <= 1.05),
+            _t(f"time of those pulls vs download + serve locally (tp={res['tp']})", f"{ratio:.2f}x", "<= 1.1x",
+               ratio <= 1.1)]
+
+
+def direct_targets(res: dict[str, Any]) -> list[dict[str, Any]]:
+    """Issue 23, item 2 (`bench.compare_direct`): one rank of tp=8 written straight from a store fetches
+    at most 1.3x its shard, requests bounded (here: at most one per 50 rows of its row-split tensors),
+    by the default choice of each store kind."""
+    out = []
+    for name, c in res["cases"].items():
+        if not name.endswith(", auto") and not name.endswith("1 Gbit/s"):
+            continue
+        x = c["median_store_bytes"] / res["shard"]
+        bound = res["rows"] // 50
+        out.append(_t(f"store bytes of one rank of tp={res['tp']}, {name}", f"{x:.2f}x the shard, "
+                      f"{c['median_requests']:.0f} requests", f"<= 1.3x, <= {bound} requests",
+                      x <= 1.3 and c["median_requests"] <= bound))
+    return out

@@ -7,6 +7,8 @@ are read at each use, not at import, so a process may change them between calls.
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -31,12 +33,18 @@ class LibrarySettings(BaseSettings):
                                    "exactly, not for the row blocks that cover them")
     store_range_gap: int = Field(256, ge=0, description="in a request of several ranges, the longest gap "
                                  "between two ranges fetched as one (a part costs ~100 bytes of headers)")
-    store_ranges: int = Field(100, ge=2, le=1024, description="the most byte ranges asked for in one request "
-                              "(halved for a server that answers fewer: Starlette takes 100, Apache 200)")
-    store_row_blocks: bool = Field(True, description="where a store answers one range per request (S3, GCS): fetch "
-                                   "a row-split tensor's rows as the row block that covers them (one request for "
-                                   "many rows, up to tp times the bytes); false: each row's slice on its own, "
-                                   "merged across gaps as RESHARD_STORE_MAX_GAP and RESHARD_STORE_WASTE allow")
+    store_ranges: int = Field(256, ge=2, le=1024, description="the most byte ranges asked for in one request "
+                              "(halved for a server that answers fewer: Starlette takes 100, Apache 200; 256 ranges "
+                              "fit nginx's 8 KiB header line)")
+    store_rows: Literal["auto", "blocks", "slices"] = Field(
+        "auto", description="how a row-split tensor's rows are fetched from a store: `auto`, whichever costs less by "
+        "the store's measured costs (reshard.io.readcost); `blocks`, the row block that covers them (one request for "
+        "many rows, up to tp times the bytes); `slices`, each row's slice (several per request where the server "
+        "answers several ranges, else one request each)")
+    store_bandwidth: float = Field(0.0, ge=0, description="bytes per second a node gets from the store, for pricing "
+                                   "reads (reshard.io.readcost); 0: measured from the process's own requests")
+    store_request_cost: float = Field(0.0, ge=0, description="seconds one store request costs, for pricing reads "
+                                      "(reshard.io.readcost); 0: measured from the process's own requests")
     store_retries: int = Field(5, ge=0, description="retries of a failed store request")
     store_timeout: float = Field(60.0, gt=0, description="seconds a store request may take")
 

@@ -19,6 +19,9 @@ process answers them.
   has a block open keeps reading it). A block that cannot be written (full disk, read-only) is still
   used from memory by the pull that fetched it, and the failure is logged once: the cache never fails
   a pull.
+- Read like local files: a stream holds the blocks it reads open (`open_block`, `reshard.io.blocks`),
+  sends their contiguous ranges with `sendfile` and gathers strided runs from their mappings, as it
+  would from a local source file.
 - Counted: `fetched` (bytes fetched from the store for blocks) and `hits` (bytes read from blocks in
   the cache, also reported to `on_hit`: the service's Prometheus counter; every byte fetched from a
   store is counted by `reshard.io.stores.count_fetched`).
@@ -29,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import mmap
 import os
 import re
 import threading
@@ -44,6 +48,61 @@ BLOCK = 8 << 20  # bytes per cached block: one GET each
 _SWEEP_EVERY = 64 << 20  # bytes written between two looks at the cache's size
 _STALE = 3600.0  # seconds: a temporary block file without its writer's tag (an older version's) this old is left
 _TEMP = re.compile(rf"^\.\d+\.(?:({TAG})|\d+)\.\d+$")  # .K.PID-START.THREAD (.K.PID.THREAD: an older version's)
+
+
+class Block:
+    """One block as a pull holds it: its open file (`fd`), or, where it could not be kept, its bytes in
+    memory (`fd` None); `hit`: it was in the cache already. Block files are written once and renamed into
+    place, never changed in place (only deleted, which leaves an open one readable), so a mapping of one
+    cannot lose its pages."""
+
+    def __init__(self, fd: int | None, size: int, *, data: memoryview | None = None, hit: bool = False) -> None:
+        self.fd, self.size, self.hit = fd, size, hit
+        self._data = data
+        self.pins = 0  # ranges of its file handed to a sink that has not sent them yet (`reshard.io.blocks`)
+
+    def view(self) -> memoryview:
+        """The block's bytes: a read-only mapping of its file (made on first use), or the bytes fetched."""
+        if self._data is None:
+            assert self.fd is not None
+            self._data = memoryview(mmap.mmap(self.fd, self.size, prot=mmap.PROT_READ))
+        return self._data
+
+    def read_into(self, dst: memoryview, at: int) -> None:
+        """dst <- bytes [at, at + len(dst)) of the block."""
+        if self.fd is None or self._data is not None:
+            dst[:] = self.view()[at : at + len(dst)]
+            return
+        got = 0
+        while got < len(dst):
+            n = os.preadv(self.fd, [dst[got:]], at + got)
+            if n <= 0:
+                raise OSError(f"block file ended at byte {at + got} of {self.size}")
+            got += n
+
+    def close(self) -> None:
+        """Close its file (a mapping goes with the last view of it)."""
+        fd, self.fd, self._data = self.fd, None, None
+        if fd is not None:
+            os.close(fd)
+
+
+def _opened(path: Path, size: int, *, hit: bool = True) -> Block | None:
+    """The block file at `path`, open, if it is there whole (recently used from now on: evicted last)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        if os.fstat(fd).st_size != size:  # not a whole block (cannot happen: blocks are renamed in whole)
+            os.close(fd)
+            return None
+        with contextlib.suppress(OSError):
+            os.utime(fd)
+    except OSError:
+        os.close(fd)
+        return None
+    return Block(fd, size, hit=hit)
 
 
 class StoreCache:
@@ -64,46 +123,41 @@ class StoreCache:
         """Bytes [start, end) of the object `url` at `version` (`size` bytes), from cached blocks, each
         missing block fetched once with `fetch(lo, hi)` (a conditional GET of bytes [lo, hi))."""
         out = memoryview(bytearray(end - start))
-        where = self.dir / hashlib.sha256(f"{url}\0{version}".encode()).hexdigest()[:32]
-        first, last = start // self.block, (end - 1) // self.block
-        for k in range(first, last + 1):
-            lo, hi = k * self.block, min((k + 1) * self.block, size)
-            a, b = max(lo, start), min(hi, end)
-            self._block(fetch, where, k, lo, hi, out[a - start : b - start], a - lo)
+        for k in range(start // self.block, (end - 1) // self.block + 1):
+            lo = k * self.block
+            a, b = max(lo, start), min(lo + self.block, end)
+            blk = self.open_block(fetch, url, version, size, k)
+            try:
+                blk.read_into(out[a - start : b - start], a - lo)
+            finally:
+                blk.close()
+            if blk.hit:
+                self.hit(b - a)
         return out
 
-    def _block(self, fetch: Callable[[int, int], memoryview], where: Path, k: int, lo: int, hi: int,
-               dst: memoryview, at: int) -> None:
-        """dst <- bytes [at, at + len(dst)) of block k (object bytes [lo, hi))."""
-        path = where / str(k)
-        if self._read(path, dst, at):
-            return
+    def open_block(self, fetch: Callable[[int, int], memoryview], url: str, version: str, size: int,
+                   k: int) -> Block:
+        """Block k of the object `url` at `version` (`size` bytes), open: from the cache, else fetched
+        once with `fetch(lo, hi)` under the block's lock and stored (in memory where it cannot be)."""
+        where = self.dir / hashlib.sha256(f"{url}\0{version}".encode()).hexdigest()[:32]
+        path, lo = where / str(k), k * self.block
+        n = min(lo + self.block, size) - lo
+        blk = _opened(path, n)
+        if blk is not None:
+            return blk
         with self._locked(where, k):
-            if self._read(path, dst, at):  # another pull fetched it while this one waited
-                return
-            data = fetch(lo, hi)
-            dst[:] = data[at : at + len(dst)]
+            blk = _opened(path, n)  # another pull fetched it while this one waited
+            if blk is not None:
+                return blk
+            data = fetch(lo, lo + n)
             self._count("fetched", len(data))
             self._store(where, path, data)
+            blk = _opened(path, n, hit=False)
+        return blk if blk is not None else Block(None, n, data=data)
 
-    def _read(self, path: Path, dst: memoryview, at: int) -> bool:
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except OSError:
-            return False
-        try:
-            got = 0
-            while got < len(dst):
-                n = os.preadv(fd, [dst[got:]], at + got)
-                if n <= 0:
-                    return False  # not a whole block (cannot happen: blocks are renamed in whole)
-                got += n
-            with contextlib.suppress(OSError):
-                os.utime(fd)  # recently used: evicted last
-        finally:
-            os.close(fd)
-        self._count("hits", len(dst))
-        return True
+    def hit(self, n: int) -> None:
+        """`n` bytes were read from blocks that were in the cache already."""
+        self._count("hits", n)
 
     @contextlib.contextmanager
     def _locked(self, where: Path, k: int) -> Iterator[None]:
@@ -209,4 +263,4 @@ def current() -> StoreCache | None:
     return _CACHE
 
 
-__all__ = ["BLOCK", "StoreCache", "current", "disable", "enable"]
+__all__ = ["BLOCK", "Block", "StoreCache", "current", "disable", "enable"]

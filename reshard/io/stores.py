@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from reshard.errors import CheckpointError, SourceChangedError, StoreError, StoreUnavailableError
+from reshard.io.readcost import costs_for
 from reshard.settings import library_settings
 
 URL_RE = re.compile(r"^(s3|gs|hf|https?)://", re.I)
@@ -78,6 +79,7 @@ class Store:
         self.endpoint = (os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or "") \
             if root.startswith("s3://") else ""
         self._store = _make_store(root, self.endpoint)
+        self.costs = costs_for(root)
 
     def get(self, key: str, start: int, end: int, *, version: str | None = None) -> tuple[memoryview, dict[str, Any]]:
         """Bytes [start, end) of object `key` (fewer at its end) and its metadata; with `version`,
@@ -88,9 +90,11 @@ class Store:
         if version is not None and not version.startswith("mtime:"):
             options["if_match"] = version
         try:
-            result = obstore.get(self._store, key, options=options)
-            meta = result.meta
-            data = memoryview(result.bytes())
+            with self.costs.timed() as got:  # what requests cost, for choosing how to read (reshard.io.readcost)
+                result = obstore.get(self._store, key, options=options)
+                meta = result.meta
+                data = memoryview(result.bytes())
+                got.append(len(data))
         except Exception as e:
             raise self.error(e, key) from None
         count_fetched(len(data))

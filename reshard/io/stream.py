@@ -12,10 +12,14 @@ identity at open and after every read: a file that changes under the stream fail
 from __future__ import annotations
 
 import bisect
+import functools
+from collections import deque
 from collections.abc import Iterator
 from types import TracebackType
 
-from reshard.io.readers import Prefetcher, Reader, RemoteReader, open_reader
+from reshard.io.blocks import CachedObject, Source
+from reshard.io.prefetch import Prefetcher
+from reshard.io.readers import Reader, RemoteReader, open_reader
 from reshard.plan.reads import SCRATCH, Interleave, Segment, piece_reads, runs_array
 from reshard.plan.types import RankPlan
 
@@ -49,6 +53,7 @@ class RankStream:
             assert pos == self.size
         self._starts, self._pieces = starts, pieces
         self._copies: dict[int, tuple[int, int]] = {}  # piece index -> (fd, offset) of a copy of its bytes
+        self._pinned: deque[tuple[int, CachedObject, tuple[int, int]]] = deque()  # (end, blocks, source) not sent yet
         try:
             for path, key in plan.files.items():
                 self._readers[path] = open_reader(path, key)
@@ -90,11 +95,14 @@ class RankStream:
             yield out
 
     def runs(self, start: int = 0, end: int | None = None, *, chunk_size: int, direct_min: int
-             ) -> Iterator[tuple[int, int, tuple[int, int] | None]]:
+             ) -> Iterator[tuple[int, int, Source | None]]:
         """Bytes [start, end) as consecutive runs (output offset, length, source), for sinks that can
         have the kernel copy file ranges (`copy_file_range`, `sendfile`): `source` is (fd, offset) for
-        a contiguous range of a local source file of at least `direct_min` bytes; otherwise None, a run
-        of at most `chunk_size` bytes to fill with `read_into` (neighbouring small pieces merged)."""
+        a contiguous range of at least `direct_min` bytes of a local source file, or of a store
+        object's block file in the node's cache (call `done` once it is sent; where the block is still
+        on its way, a function that waits for it off the event loop and returns (fd, offset), or None:
+        then fill the run with `read_into`); otherwise None, a run of at most `chunk_size` bytes to
+        fill with `read_into` (neighbouring small pieces merged). Never waits on a store."""
         end = self.size if end is None else end
         if not 0 <= start <= end <= self.size:
             raise ValueError(f"byte range [{start}, {end}) outside 0..{self.size}")
@@ -103,21 +111,60 @@ class RankStream:
         while pos < end:
             piece, base = self._pieces[i], self._starts[i]
             hi = min(base + _nbytes(piece), end)
-            fd, at = (self._readers[piece.file].fd, piece.offset) if self._direct(piece) else self._copies.get(i, (None, 0))
-            i += 1
-            if fd is not None and hi - pos >= direct_min:
-                while pending < pos:
-                    n = min(chunk_size, pos - pending)
-                    yield pending, n, None
-                    pending += n
-                yield pos, hi - pos, (fd, at + pos - base)
-                pending = hi
+            for a, b, src in self._sources(i, pos, hi, direct_min):
+                if src is not None:
+                    while pending < a:
+                        n = min(chunk_size, a - pending)
+                        yield pending, n, None
+                        pending += n
+                    yield a, b - a, src
+                    pending = b
+                while b - pending >= chunk_size:
+                    yield pending, chunk_size, None
+                    pending += chunk_size
             pos = hi
-            while pos - pending >= chunk_size:
-                yield pending, chunk_size, None
-                pending += chunk_size
+            i += 1
         if pending < end:
             yield pending, end - pending, None
+
+    def _sources(self, i: int, pos: int, hi: int, direct_min: int) -> Iterator[tuple[int, int, Source | None]]:
+        """Output bytes [pos, hi) of piece i as parts (start, end, source or None) (see `runs`)."""
+        piece, base = self._pieces[i], self._starts[i]
+        if self._direct(piece):
+            yield pos, hi, (self._readers[piece.file].fd, piece.offset + pos - base) if hi - pos >= direct_min else None
+            return
+        if i in self._copies:
+            fd, at = self._copies[i]
+            yield pos, hi, (fd, at + pos - base) if hi - pos >= direct_min else None
+            return
+        reader = self._readers.get(piece.file) if isinstance(piece, Segment) and piece.contiguous else None
+        if not isinstance(reader, RemoteReader) or reader.blocks is None or hi - pos < direct_min:
+            yield pos, hi, None
+            return
+        assert self._prefetch is not None
+        self._prefetch.ahead(pos, hi)  # the blocks behind the next windows on their way
+        for n, src in reader.blocks.ranges(piece.offset + pos - base, hi - pos, direct_min=direct_min):
+            if callable(src):
+                src = functools.partial(self._pin, pos + n, reader.blocks, src)
+            elif src is not None:
+                self._pin(pos + n, reader.blocks, src)
+            yield pos, pos + n, src
+            pos += n
+
+    def _pin(self, end: int, blocks: CachedObject, src: Source) -> tuple[int, int] | None:
+        """Keep `src` (or what the wait for it gives) open until the sink is done with byte `end`."""
+        got = src() if callable(src) else src
+        if got is not None:
+            self._pinned.append((end, blocks, got))
+        return got
+
+    def done(self, pos: int) -> None:
+        """The sink has sent the stream's bytes before `pos`: the block files they came from may be closed."""
+        while self._pinned and self._pinned[0][0] <= pos:
+            _, blocks, src = self._pinned.popleft()
+            blocks.unpin(src)
+        if self._prefetch is not None:
+            self._prefetch.behind(pos)
 
     def _direct(self, piece: bytes | Segment | Interleave) -> bool:
         """Whether a kernel copy can take the piece straight from its (local) source file."""

@@ -5,7 +5,7 @@
 'error' (a source changed: the body is cut short). Three tasks share one cancel scope:
 
 - `produce` walks the stream's runs: a run the kernel can copy (`src`: a file range) is passed on as
-  it is, any other is read in a worker thread into a pooled chunk buffer (checked afterwards that no
+  it is (a block of the store cache still being fetched is waited for in a thread first), any other is read in a worker thread into a pooled chunk buffer (checked afterwards that no
   source changed, fed to the gathered copy being written, hashed when the whole body is);
 - `consume` sends each item (a chunk, or a zero-copy `sendfile` message), checks the sources after a
   kernel copy, and counts what went out in one place (`_sent`);
@@ -47,6 +47,7 @@ class BodyPump:
         self.chunk_size, self.limiter, self.metrics, self.send_timeout = chunk_size, limiter, metrics, send_timeout
         self.on_digest = on_digest
         self.outcome, self.error = "disconnected", None
+        self._at = start  # the body's bytes before this one have gone out
         whole = on_digest is not None and (start, end) == (0, size)
         self.sha = hashlib.sha256() if whole else None
         # ranges of local source files go out by sendfile where the server can (not while hashing)
@@ -77,6 +78,13 @@ class BodyPump:
         async with self._send_q:
             try:
                 for pos, n, src in self.runs:
+                    if callable(src):  # a block of the store cache still on its way: wait for it in a thread
+                        src = await anyio.to_thread.run_sync(src, limiter=self.limiter)
+                        if src is None:  # not kept on disk: its bytes are read instead
+                            for at in range(pos, pos + n, self.chunk_size):
+                                m = min(self.chunk_size, pos + n - at)
+                                await self._send_q.send(await anyio.to_thread.run_sync(self._read, at, m, limiter=self.limiter))
+                            continue
                     if src is None:
                         await self._send_q.send(await anyio.to_thread.run_sync(self._read, pos, n, limiter=self.limiter))
                     else:
@@ -116,12 +124,15 @@ class BodyPump:
                 return
 
     def _sent(self, item: Item) -> None:
-        """The one place bytes that went out are counted."""
+        """The one place bytes that went out are counted (and the stream told: `RankStream.done`)."""
         if isinstance(item, memoryview):
             self.metrics.bytes_served.inc(len(item))
+            self._at += len(item)
         else:
             self.metrics.bytes_served.inc(item[2])
             self.metrics.bytes_sendfile.inc(item[2])
+            self._at += item[2]
+        self.stream.done(self._at)
 
 
 def _message(item: Item) -> dict[str, Any]:

@@ -1,6 +1,8 @@
 """One node, one rank, straight from the store (`reshard write URL --tp 8 --ranks R`): a row-split
-tensor's slices come exactly from a static HTTP server that answers several ranges per request, as
-row blocks from S3 (one range per request) unless asked otherwise; the bytes are the local shard's."""
+tensor's rows come as their slices or as the row block that covers them, whichever the store's costs
+price lower (`reshard.io.readcost`): over a slow link, the slices exactly from a static HTTP server that
+answers several ranges per request, the row blocks from S3 (a request per row costs more than the gaps'
+bytes); either way, or as `RESHARD_STORE_ROWS` says, the bytes are the local shard's."""
 
 from __future__ import annotations
 
@@ -46,28 +48,49 @@ def _rows(local: Path) -> int:
     return sum(s.count for t in rp.tensors for s in t.segments if s.file and not s.contiguous)
 
 
-@pytest.mark.parametrize("kind", ["http", "s3"])
-def test_one_rank_fetches_close_to_its_shard(kind: str, wide: Path, web: Any, s3: Any, s3_env: Any,
-                                             tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    srv, url = (web, f"{web.url}/files/wide/") if kind == "http" else (s3, "s3://ckpts/models/wide")
-    local = _write(str(wide), tmp_path / "local")
-    shard = local.stat().st_size
-    srv.reset()
-    got = _write(url, tmp_path / "remote")
-    counts = srv.reset()
-    assert got.read_bytes() == local.read_bytes()
-    headers = 3 * 128 << 10  # the speculative header reads and the JSON files
-    if kind == "http":  # several ranges per request: the rows' slices exactly, requests bounded
-        assert counts["bytes"] <= 1.3 * shard + headers, (counts, shard)
-        assert counts["requests"] <= _rows(wide) // 64 + 40, counts
-    else:  # one range per request: the row blocks (tp times a row-split tensor's share), few requests
-        assert 1.3 * shard < counts["bytes"] <= 4 * shard + headers, (counts, shard)
-        assert counts["requests"] * 20 <= _rows(wide), counts
-        monkeypatch.setenv("RESHARD_STORE_ROW_BLOCKS", "false")  # each row's slice on its own: exact, many GETs
-        got = _write(url, tmp_path / "slices")
-        counts = srv.reset()
-        assert got.read_bytes() == local.read_bytes()
-        assert counts["bytes"] <= 1.3 * shard + headers and counts["requests"] >= _rows(wide) // 2, counts
+SLOW = {"RESHARD_STORE_BANDWIDTH": "1000000"}  # 1 MB/s: a row block's gaps cost more than a multi-range request
+HEADERS = 3 * 128 << 10  # the speculative header reads and the JSON files
+
+
+def _fetched(srv: Any, url: str, out: Path, env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> tuple[bytes, dict[str, int]]:
+    with monkeypatch.context() as m:
+        for k, v in env.items():
+            m.setenv(k, v)
+        srv.reset()
+        got = _write(url, out).read_bytes()
+        return got, srv.reset()
+
+
+def test_over_a_slow_link_http_slices_come_exactly(wide: Path, web: Any, tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Several ranges per request (Starlette: 64 of them after the probe), the slices exactly; the
+    default on loopback and RESHARD_STORE_ROWS=blocks fetch the row blocks."""
+    local = _write(str(wide), tmp_path / "local").read_bytes()
+    url, rows = f"{web.url}/files/wide/", _rows(wide)
+    got, counts = _fetched(web, url, tmp_path / "slow", SLOW, monkeypatch)
+    assert got == local
+    assert counts["bytes"] <= 1.15 * len(local) + HEADERS, (counts, len(local))
+    assert counts["requests"] <= rows // 64 + 40, counts
+    got, blocks = _fetched(web, url, tmp_path / "blocks", {"RESHARD_STORE_ROWS": "blocks"}, monkeypatch)
+    assert got == local
+    assert 1.3 * len(local) < blocks["bytes"] <= 4 * len(local) + HEADERS and blocks["requests"] * 20 <= rows, blocks
+    got, auto = _fetched(web, url, tmp_path / "auto", {}, monkeypatch)  # loopback: what the costs measured say
+    assert got == local
+    assert counts["bytes"] <= auto["bytes"] <= blocks["bytes"] * 1.05 and auto["requests"] <= rows // 20, auto
+
+
+def test_from_s3_the_row_blocks_unless_slices_are_asked_for(wide: Path, s3: Any, s3_env: Any, tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """One range per request: at 20 ms a request, a request per row costs more than the gaps' bytes even
+    at 1 MB/s, so the row blocks; RESHARD_STORE_ROWS=slices: each row's slice, a GET each."""
+    local = _write(str(wide), tmp_path / "local").read_bytes()
+    url, rows = "s3://ckpts/models/wide", _rows(wide)
+    got, counts = _fetched(s3, url, tmp_path / "slow", {**SLOW, "RESHARD_STORE_REQUEST_COST": "0.02"}, monkeypatch)
+    assert got == local
+    assert 1.3 * len(local) < counts["bytes"] <= 4 * len(local) + HEADERS and counts["requests"] * 20 <= rows, counts
+    got, slices = _fetched(s3, url, tmp_path / "slices", {"RESHARD_STORE_ROWS": "slices"}, monkeypatch)
+    assert got == local
+    assert slices["bytes"] <= 1.3 * len(local) + HEADERS and slices["requests"] >= rows // 2, slices
 
 
 def test_a_server_answering_one_range_is_asked_one_range(tmp_path: Path) -> None:

@@ -87,10 +87,10 @@ def test_cli_write_from_store_matches_local(store, local_root: Path, tmp_path: P
 
 @pytest.mark.servers
 def test_object_replaced_mid_stream_fails_the_stream(store, local_root: Path, monkeypatch, boto, tmp_path) -> None:
-    import reshard.io.readers as readers
+    import reshard.io.prefetch as prefetch
 
     kind, _, url = store
-    monkeypatch.setattr(readers, "WINDOW", 16 << 10)  # fetch ahead in small windows, so most is read later
+    monkeypatch.setattr(prefetch, "WINDOW", 16 << 10)  # fetch ahead in small windows, so most is read later
     monkeypatch.setenv("RESHARD_STORE_INFLIGHT", str(32 << 10))
     remote, manifest = open_source(url)
     plan = make_plan(remote, manifest, 2).ranks[0]
