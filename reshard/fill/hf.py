@@ -25,16 +25,16 @@ from torch import nn
 
 from reshard.errors import CheckpointError
 from reshard.format.checkpoint import CONFIG_NAME
-from reshard.io.client import ShardClient
+from reshard.io.body import get_json
 from reshard.io.stores import is_url
+from reshard.io.wire import checkpoint_url
 from reshard.tp.comm import tp_world_size
 
 
 def source_config(source: str | Path, *, token: str | None = None) -> dict[str, Any]:
     """config.json of a checkpoint or shard directory, of a rank file's directory, or from the service."""
     if is_url(source):
-        with ShardClient(str(source), token=token) as client:
-            config = client.info().get("config")
+        config = get_json(checkpoint_url(str(source)), token=token).get("config")
     else:
         path = Path(source)
         path = (path if path.is_dir() else path.parent) / CONFIG_NAME

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from reshard.errors import CheckpointError, SourceChangedError, StoreError, StoreUnavailableError
-from reshard.settings import library_settings
 
 URL_RE = re.compile(r"^(s3|gs|hf|https?)://", re.I)
 SECRET_VARS = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ACCESS_KEY_ID", "GOOGLE_SERVICE_ACCOUNT_KEY",
@@ -223,6 +222,8 @@ def object_version(meta: dict[str, Any], *, where: str | None = None) -> str:
 
 def _make_store(root: str, endpoint: str) -> Any:
     from obstore.store import GCSStore, HTTPStore, S3Store
+
+    from reshard.settings import library_settings  # pydantic-settings only where a store is opened
 
     settings = library_settings()
     retries, timeout = settings.store_retries, settings.store_timeout
