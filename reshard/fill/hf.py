@@ -72,6 +72,20 @@ def empty_tp_model(
     return model.eval()
 
 
+def import_model_class(source: str | Path | dict[str, Any], *, token: str | None = None, auto_class: Any = None) -> type:
+    """Import transformers' config and model classes for `source`'s config.json (a source as in
+    `source_config`, or the dict) and return the model class, building nothing: what a launcher
+    imports once before it forks the ranks (`reshard.cli.launch`)."""
+    import transformers
+
+    config = source_config(source, token=token) if isinstance(source, (str, Path)) else source
+    try:
+        config = transformers.AutoConfig.for_model(**config)
+    except (ValueError, KeyError) as e:
+        raise CheckpointError(f"{source}: config.json names no transformers architecture: {e}") from None
+    return (auto_class or transformers.AutoModelForCausalLM)._model_mapping[type(config)]  # imports its module
+
+
 def hf_config(config: dict[str, Any]) -> Any:
     """The transformers config object for a config.json dict (`model_type` picks the class)."""
     from transformers import CONFIG_MAPPING
@@ -101,4 +115,4 @@ def init_buffers(model: nn.Module) -> None:
             reset()
 
 
-__all__ = ["empty_tp_model", "hf_config", "init_buffers", "source_config"]
+__all__ = ["empty_tp_model", "hf_config", "import_model_class", "init_buffers", "source_config"]
