@@ -85,6 +85,10 @@ class FileBody:
     def expected_sha256(self) -> str | None:
         return self.sha256
 
+    def seek(self, pos: int) -> None:
+        """Read on from byte `pos` (a fill skips the tensors it mapped)."""
+        self.pos = pos
+
     def __iter__(self) -> Iterator[bytes]:
         return chunks_of(self)
 
