@@ -20,7 +20,13 @@ What is imported before the fork: torch, torch.distributed(.tensor), transformer
 utilities, `reshard.fill` (and `reshard.trainer` for `-m reshard.cli.train`), `--import MODULE`s, and
 for each `--preload SOURCE` (a checkpoint or shard directory, a rank file, the service's checkpoint
 URL; for the trainer its `--shards` by default) the config and model classes of its config.json.
-Nothing else runs there: no model is built, no tensor op runs.
+Nothing else runs there: no model is built (but a one-layer copy on the meta device, to warm up
+transformers' first build), no tensor op runs. Before those imports, `--prefetch URL` forks one
+fetcher per rank that pulls the rank's shard of tp=WORLD_SIZE from the service into shared memory
+while the launcher imports; the rank's `fill_model(model, URL)` (or the trainer's `--shards URL`) then
+maps it (`reshard.io.prefetch`): the transfer overlaps the imports. That pays where the network is
+the bottleneck (bench/compare_link.py); where the transfer is CPU-bound (loopback, few cores) it
+competes with the imports for the same cores.
 
 Fork-safety, the constraints the launcher keeps and a script run under it must too:
 - No CUDA before the fork: the launcher refuses to fork once CUDA is initialized. Each rank picks its
@@ -44,6 +50,7 @@ import contextlib
 import gc
 import importlib
 import importlib.util
+import json
 import os
 import runpy
 import signal
@@ -57,6 +64,7 @@ from typing import Any
 from reshard.errors import ReshardError
 
 PROG = "reshard launch"
+PREFETCH_ENV = "RESHARD_PREFETCH"  # reshard.io.prefetch.ENV, named here so that the launcher imports nothing early
 MODULES = ("torch", "torch.distributed", "torch.distributed.tensor", "transformers", "transformers.modeling_utils",
            "reshard.fill")
 TRAINER = "reshard.cli.train"
@@ -72,6 +80,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preload", action="append", default=[], metavar="SOURCE",
                    help="import the config and model classes of this checkpoint, shard directory, rank file or "
                         "checkpoint URL before forking (repeatable; the trainer's --shards by default)")
+    p.add_argument("--prefetch", metavar="URL", default=None,
+                   help="fetch each rank's shard of the tp=WORLD_SIZE layout from this checkpoint URL of the service "
+                        "while the launcher imports; a fill of that URL (and rank, layout) in the rank takes it")
     p.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
                    help="also import this module before forking (repeatable)")
     p.add_argument("--no-preload", action="store_true", help="import nothing before forking")
@@ -107,6 +118,27 @@ def trainer_source(args: argparse.Namespace) -> str | None:
         if a.startswith("--shards="):
             return a.split("=", 1)[1]
     return None
+
+
+def prefetch(args: argparse.Namespace) -> dict[int, dict[str, Any]]:
+    """Fork one fetcher per local rank (`reshard.io.prefetch`); local rank -> what the rank needs to find it."""
+    url = args.prefetch
+    if not url or not url.startswith(("http://", "https://")) or "/v1/checkpoints/" not in url:
+        return {}
+    from reshard.io import prefetch as fetch
+
+    world = args.nnodes * args.nproc_per_node
+    return {local: fetch.start(url, args.node_rank * args.nproc_per_node + local, world)
+            for local in range(args.nproc_per_node)}
+
+
+def _keep_own(fetches: dict[int, dict[str, Any]], local: int | None) -> None:
+    """Close the descriptors of the fetches that are not local rank `local`'s (None: all of them)."""
+    for other, f in fetches.items():
+        if other != local:
+            for fd in (f["fd"], f["status"]):
+                with contextlib.suppress(OSError):
+                    os.close(fd)
 
 
 def preload(args: argparse.Namespace) -> list[str]:
@@ -263,6 +295,7 @@ def launch(args: argparse.Namespace) -> int:
     for k in [k for k in os.environ if k.startswith("TORCHELASTIC_")]:
         del os.environ[k]
     port = args.master_port or (free_port(args.master_addr) if args.nnodes == 1 else 29500)
+    fetches = prefetch(args)  # first: the transfers overlap the imports
     gc.disable()  # the imported objects are frozen before the fork: a rank's collections do not copy them
     preload(args)
     check_fork_safe()
@@ -272,12 +305,16 @@ def launch(args: argparse.Namespace) -> int:
     me, pids = os.getpid(), {}
     for local in range(args.nproc_per_node):
         env = rank_env(args, local, port)
+        if local in fetches:
+            env[PREFETCH_ENV] = json.dumps({k: v for k, v in fetches[local].items() if k != "pid"})
         pid = os.fork()
         if pid == 0:
+            _keep_own(fetches, local)
             run_rank(args, env, me)
         with contextlib.suppress(OSError):
             os.setpgid(pid, pid)  # also here: a signal forwarded before the child's own setpgid reaches it
         pids[pid] = int(env["RANK"])
+    _keep_own(fetches, None)
     gc.enable()
     ranks = Ranks(pids, args.grace)
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -15,6 +15,7 @@ from typing import Any
 from reshard.errors import CheckpointError
 from reshard.format.checkpoint import CONFIG_NAME, MANIFEST_NAME
 from reshard.io.body import ShardBody, file_body, get_json
+from reshard.io.prefetch import take as take_prefetched
 from reshard.io.shards import RANK_FILE
 from reshard.io.stores import is_url
 from reshard.io.wire import checkpoint_url
@@ -40,8 +41,9 @@ def open_rank_stream(
             config = get_json(checkpoint_url(str(source)), params=params, token=token).get("config")
             if not isinstance(config, dict):
                 config = _no_config(f"{source}: the checkpoint has no config.json", need_config)
-        body = ShardBody(str(source), rank, layout.tp if layout.tp_only else layout, token=token, rules=rules,
-                         engine=engine)
+        want = layout.tp if layout.tp_only else layout
+        body = (None if rules or engine else take_prefetched(str(source), rank, want)) or ShardBody(
+            str(source), rank, want, token=token, rules=rules, engine=engine)
         return config, body, None, body.name
     path = Path(source)
     root = path.parent if path.is_file() else path

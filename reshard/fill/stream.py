@@ -218,7 +218,7 @@ def _read_in(header: RankHeader, plans: list[tuple[str, torch.Tensor, torch.dtyp
         _verify(header, got, want)
         if local and want is not None:
             verified.record(body.fd, want, path=body.name)
-    how = "identity" if trusted else "sha256" if check else "none"
+    how = "identity" if trusted else "sha256" if check else getattr(body, "verified_as", None) or "none"
     return Filled(m.bytes if m is not None else 0, how)
 
 

@@ -69,6 +69,7 @@ class FileBody:
 
     def __init__(self, path: Path, sha256: str | None = None) -> None:
         self.name, self.sha256, self.pos, self.verify = str(path), sha256, 0, sha256 is not None
+        self.verified_as: str | None = None  # how the bytes were verified already (a prefetch), if they were
         self.fd = os.open(path, os.O_RDONLY)
         self.size = os.fstat(self.fd).st_size
 
