@@ -180,3 +180,28 @@ def test_a_corrupt_stream_from_the_service_is_refused(fill_server: Any) -> None:
         url = f"{proxy.url}/v1/checkpoints/llama"
         with pytest.raises(IntegrityError, match="sha256"):
             reshard.fill_model(reshard.empty_tp_model(fill_server.ckpt_url("llama")), url)
+
+
+@pytest.mark.servers
+def test_launch_prefetch_fills_from_the_fetched_shard(fill_server: Any, llama_shards: dict[str, Path],
+                                                      tmp_path: Path) -> None:
+    """`reshard launch --prefetch URL`: each rank's shard fetched while the launcher imports, then mapped by the
+    rank's fill (the same logits as from rank files); through a link that corrupts it, refused (the fetcher
+    refuses it, the rank's own pull then too)."""
+    host, port = fill_server.url.removeprefix("http://").split(":")
+    with _FlippingProxy((host, int(port))) as proxy:
+        for url, ok in ((fill_server.ckpt_url("llama"), True), (f"{proxy.url}/v1/checkpoints/llama", False)):
+            out = tmp_path / ("ok" if ok else "corrupt")
+            out.mkdir()
+            cmd = [sys.executable, "-m", "reshard.cli.launch", "--nproc-per-node", "2", "--preload", str(llama_shards["tp2"]),
+                   "--prefetch", url, "-m", "tests.support.launch_fill", url, str(llama_shards["tp2"]), str(out)]
+            proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=240,
+                                  env={**os.environ, "GLOO_SOCKET_IFNAME": "lo"})
+            if not ok:
+                assert proc.returncode != 0 and "does not match" in proc.stderr, proc.stderr[-3000:]
+                continue
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            for rank in range(2):
+                r = json.loads((out / f"rank-{rank}.json").read_text())
+                assert r["equal"] and r[url]["name"].endswith("(prefetched)") and r[url]["verified"] == "sha256"
+                assert r[url]["mapped"] > 0 and r[str(llama_shards["tp2"])]["verified"] == "identity"
