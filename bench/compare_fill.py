@@ -152,15 +152,21 @@ def write_rank_files(ckpt: Path, tp: int, out: Path) -> Path:
     return out
 
 
-def run_fill(src: Path, work: Path, *, full: bool = True, reps: int = 3, tps: tuple[int, ...] = TPS,
-             trainer: bool = True) -> list[dict[str, Any]]:
-    """The TP worker comparisons (one per tp) and the trainer's, all against one `reshard serve`."""
-    work = work / "fill"
+def linked_root(src: Path, work: Path) -> Path:
+    """A service root `work/root` whose checkpoint NAME is `src`'s files, hard-linked."""
     root = work / "root"
     (root / NAME).mkdir(parents=True, exist_ok=True)
     for p in src.iterdir():
         if p.suffix in (".safetensors", ".json") and p.name != "bench-ckpt.json" and not (root / NAME / p.name).exists():
             os.link(p, root / NAME / p.name)
+    return root
+
+
+def run_fill(src: Path, work: Path, *, full: bool = True, reps: int = 3, tps: tuple[int, ...] = TPS,
+             trainer: bool = True) -> list[dict[str, Any]]:
+    """The TP worker comparisons (one per tp) and the trainer's, all against one `reshard serve`."""
+    work = work / "fill"
+    root = linked_root(src, work)
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     comps = []
@@ -176,23 +182,34 @@ def run_fill(src: Path, work: Path, *, full: bool = True, reps: int = 3, tps: tu
     return comps
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.compare_fill", description=__doc__.split("\n\n")[0])
+def common_args(p: argparse.ArgumentParser, out: Path) -> None:
     p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--tp", default=",".join(map(str, TPS)))
-    p.add_argument("--no-trainer", action="store_true", help="leave out the trainer's comparison")
-    p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--out", type=Path, default=out)
     p.add_argument("--data", type=Path, default=None, help="where the checkpoint and work files go (bench/data)")
-    args = p.parse_args(argv)
+
+
+def prepared(args: argparse.Namespace, command: str) -> tuple[Path, Path, dict[str, Any]]:
+    """(data root, the 1 GB checkpoint in the page cache, the results' meta) for a standalone run."""
     from bench import data
     from bench.run import git_state, machine
-    from bench.targets import fill_targets
 
     root = args.data or data.DATA
     ckpt = data.checkpoint("1gb", root=root)
     data.warm_page_cache(ckpt)
     meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": machine(), "reps": args.reps, "warmup": 1,
-            "git": git_state(), "command": f"python -m bench.compare_fill --reps {args.reps} --tp {args.tp}"}
+            "git": git_state(), "command": command}
+    return root, ckpt, meta
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.compare_fill", description=__doc__.split("\n\n")[0])
+    common_args(p, RESULTS)
+    p.add_argument("--tp", default=",".join(map(str, TPS)))
+    p.add_argument("--no-trainer", action="store_true", help="leave out the trainer's comparison")
+    args = p.parse_args(argv)
+    from bench.targets import fill_targets
+
+    root, ckpt, meta = prepared(args, f"python -m bench.compare_fill --reps {args.reps} --tp {args.tp}")
     comps = run_fill(ckpt, root / "work", reps=args.reps, tps=tuple(int(x) for x in args.tp.split(",")),
                      trainer=not args.no_trainer)
     meta["load_at_end"] = os.getloadavg()[0]

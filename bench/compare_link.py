@@ -21,13 +21,12 @@ import json
 import os
 import shutil
 import sys
-import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from bench.compare_fill import NAME, summarise, worker_case
+from bench.compare_fill import NAME, common_args, linked_root, prepared, summarise, worker_case
 from bench.compare_train import expected_bytes
 from bench.interleave import interleave
 from bench.linkproxy import LinkProxy
@@ -73,11 +72,7 @@ def link_cases(ckpt: Path, service: LinkProxy, files: LinkProxy, work: Path) -> 
 
 def run_link(ckpt: Path, work: Path, *, reps: int, rate_mbit: float) -> dict[str, Any]:
     work = work / "link"
-    root = work / "root"
-    (root / NAME).mkdir(parents=True, exist_ok=True)
-    for p in ckpt.iterdir():
-        if p.suffix in (".safetensors", ".json") and p.name != "bench-ckpt.json" and not (root / NAME / p.name).exists():
-            os.link(p, root / NAME / p.name)
+    root = linked_root(ckpt, work)
     sport, fport = free_port(), free_port()
     files_argv = [sys.executable, "-m", "http.server", "--bind", "127.0.0.1", "--directory", str(root / NAME), str(fport)]
     rate = rate_mbit * 1e6 / 8
@@ -94,19 +89,10 @@ def run_link(ckpt: Path, work: Path, *, reps: int, rate_mbit: float) -> dict[str
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.compare_link", description=__doc__.split("\n\n")[0])
-    p.add_argument("--reps", type=int, default=3)
+    common_args(p, RESULTS)
     p.add_argument("--rate-mbit", type=float, default=1000.0)
-    p.add_argument("--out", type=Path, default=RESULTS)
-    p.add_argument("--data", type=Path, default=None, help="where the checkpoint and work files go (bench/data)")
     args = p.parse_args(argv)
-    from bench import data
-    from bench.run import git_state, machine
-
-    root = args.data or data.DATA
-    ckpt = data.checkpoint("1gb", root=root)
-    data.warm_page_cache(ckpt)
-    meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": machine(), "reps": args.reps, "warmup": 1,
-            "git": git_state(), "command": f"python -m bench.compare_link --reps {args.reps} --rate-mbit {args.rate_mbit:g}"}
+    root, ckpt, meta = prepared(args, f"python -m bench.compare_link --reps {args.reps} --rate-mbit {args.rate_mbit:g}")
     comp = run_link(ckpt, root / "work", reps=args.reps, rate_mbit=args.rate_mbit)
     meta["load_at_end"] = os.getloadavg()[0]
     args.out.write_text(json.dumps({"meta": meta, "comparisons": [comp]}, indent=2, default=str) + "\n")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import socketserver
 import threading
 import time
 from typing import Any
@@ -42,6 +43,11 @@ class TokenBucket:
             time.sleep(wait)
 
 
+class _Relay(socketserver.BaseRequestHandler):
+    def handle(self) -> None:
+        self.server.link._serve(self.request)  # type: ignore[attr-defined]
+
+
 class LinkProxy:
     """A shaped relay to `upstream` (host, port) on a free port of 127.0.0.1 (see the module docstring)."""
 
@@ -49,13 +55,11 @@ class LinkProxy:
         self.upstream, self.bucket = upstream, TokenBucket(rate_bytes, burst)
         self.bytes_down = self.bytes_up = 0
         self._count = threading.Lock()
-        self._sock = socket.socket()
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind(("127.0.0.1", 0))
-        self._sock.listen(64)
-        self.port = self._sock.getsockname()[1]
-        self._closing = False
-        threading.Thread(target=self._accept, daemon=True, name="link-accept").start()
+        self._server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), _Relay)
+        self._server.daemon_threads = True
+        self._server.link = self  # type: ignore[attr-defined]
+        self.port = self._server.server_address[1]
+        threading.Thread(target=self._server.serve_forever, daemon=True, name="link-accept").start()
 
     @property
     def url(self) -> str:
@@ -65,16 +69,8 @@ class LinkProxy:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._closing = True
-        self._sock.close()
-
-    def _accept(self) -> None:
-        while not self._closing:
-            try:
-                client, _ = self._sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(client,), daemon=True, name="link-relay").start()
+        self._server.shutdown()
+        self._server.server_close()
 
     def _add(self, down: int = 0, up: int = 0) -> None:
         with self._count:

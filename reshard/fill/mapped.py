@@ -48,6 +48,8 @@ from typing import Any
 
 import torch
 
+from reshard.io.mapped import file_key, leased_copy
+
 _LIVE: set[RankMap] = set()  # mappings that still have bound tensors or are being filled
 _HANDLER = {"installed": False}
 
@@ -118,17 +120,13 @@ def bindable(t: torch.Tensor, dtype: torch.dtype, offset: int) -> bool:
 def map_rank_file(fd: int, size: int, name: str) -> RankMap | None:
     """A leased private mapping of the file open on `fd` (its own descriptor, so that the lease lives
     as long as the mapping), or None where one cannot be had (see the module docstring)."""
-    if not _install_handler():
+    key = file_key(fd)
+    if not _install_handler() or key[2] != size:
+        return None
+    own = leased_copy(fd, key)
+    if own is None:
         return None
     try:
-        own = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
-        return None
-    try:
-        same = os.fstat(own)
-        if (same.st_ino, same.st_dev, same.st_size) != ((st := os.fstat(fd)).st_ino, st.st_dev, size):
-            raise OSError("changed")
-        fcntl.fcntl(own, fcntl.F_SETLEASE, fcntl.F_RDLCK)
         return RankMap(own, size, name)
     except (OSError, ValueError):
         os.close(own)
