@@ -59,14 +59,16 @@ def expected_bytes(src: Path, tp: int) -> dict[str, Any]:
 RETIRED_ENV = "RESHARD_RETIRED_TREE"  # a source tree of the retired hand-written trainer (see run_train)
 
 
-def train_case(name: str, shards: str, work: Path, base_url: str | None, *, pythonpath: str | None = None) -> Case:
+def train_case(name: str, shards: str, work: Path, base_url: str | None, *, pythonpath: str | None = None,
+               launcher: str = "torchrun") -> Case:
     metrics = work / f"metrics-{name}.json"
 
     def runner(case: Case) -> Result:
         if metrics.exists():
             metrics.unlink()
         before = bytes_served(base_url) if base_url else 0.0
-        argv = [torchrun(), "--nproc-per-node", str(TP), "--master-addr", "127.0.0.1", "--master-port",
+        start = [torchrun()] if launcher == "torchrun" else [sys.executable, "-m", "reshard.cli.launch"]  # reshard launch
+        argv = [*start, "--nproc-per-node", str(TP), "--master-addr", "127.0.0.1", "--master-port",
                 str(free_port()), "-m", "reshard.cli.train", "--shards", shards, "--metrics", str(metrics), *TRAIN_ARGS]
         env = {"RESHARD_T0": repr(time.time()), "OMP_NUM_THREADS": "1", **({"PYTHONPATH": pythonpath} if pythonpath else {})}
         res = run_command(case.name, argv, env=env, watch=case.watch() if case.watch else None, timeout=900)
@@ -85,7 +87,7 @@ def train_case(name: str, shards: str, work: Path, base_url: str | None, *, pyth
 
     model = f", retired hand-written model from {pythonpath}" if pythonpath else ", transformers' own model"
     return Case(name, [torchrun(), "-m", "reshard.cli.train", "--shards", shards, *TRAIN_ARGS], runner=runner, extra=extra,
-                note=f"torchrun --nproc-per-node {TP}, shards from {'the service' if base_url else 'local files'}{model}")
+                note=f"{'torchrun' if launcher == 'torchrun' else 'reshard launch'} --nproc-per-node {TP}, shards from {'the service' if base_url else 'local files'}{model}")
 
 
 def prewarm(base: str, shards: Path) -> None:

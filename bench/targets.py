@@ -53,6 +53,7 @@ def evaluate(results: dict[str, Any]) -> list[dict[str, Any]]:
     store = find(results, "store serve 1gb tp8")
     out += store_serve_targets(store) if store else []
     out += plan_targets(results)
+    out += fill_targets(results)
     t = find(results, "trainer start-up tp2")
     r = pair_ratio(t, "http", "disk") if t else None
     out.append(_t("time to first step, HTTP vs local shards (tp=2)", "-" if r is None else f"{r:.2f}x", "<= 1.3x",
@@ -145,4 +146,41 @@ def direct_targets(res: dict[str, Any]) -> list[dict[str, Any]]:
         out.append(_t(f"store bytes of one rank of tp={res['tp']}, {name}", f"{x:.2f}x the shard, "
                       f"{c['median_requests']:.0f} requests", f"<= 1.3x, <= {bound} requests",
                       x <= 1.3 and c["median_requests"] <= bound))
+    return out
+
+
+FILL_GOALS = (("launch + fill (service)", 0.8), ("launch + fill (rank files)", 0.6),
+              ("torchrun + fill (service)", 0.8), ("torchrun + fill (rank files)", 0.6))
+RSS_SLACK_MIB = 64
+
+
+def fill_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """TP worker start-up (bench/compare_fill.py): time until every rank is ready against torchrun +
+    from_pretrained, and each fill's peak RSS over its post-import baseline against its parameters."""
+    out = []
+    for comp in results.get("comparisons", []):
+        if not comp["title"].startswith("TP worker start-up") or "logits_agree" not in comp:
+            continue
+        tp = comp["tp"]
+        for case, goal in FILL_GOALS:
+            c = comp["cases"].get(case)
+            if c is None:
+                continue
+            r = c["ratio_to_baseline"]
+            out.append(_t(f"tp={tp}: {case} vs torchrun + from_pretrained", f"{r:.2f}x ({c['median_ready_s']:.1f} s; "
+                          f"{c['ratio_to_launch_fp']:.2f}x launch + from_pretrained)", f"<= {goal}x", r <= goal))
+        fills = {k: c for k, c in comp["cases"].items() if "fill" in k}
+        worst = max(fills.items(), key=lambda kv: kv[1]["max_growth_mib"] - kv[1]["param_mib"])
+        over = worst[1]["max_growth_mib"] - worst[1]["param_mib"]
+        out.append(_t(f"tp={tp}: peak RSS per rank over the post-import baseline, fills (worst: {worst[0]})",
+                      f"{worst[1]['max_growth_mib']:.0f} MiB for {worst[1]['param_mib']:.0f} MiB of parameters "
+                      f"({over:+.0f} MiB)", f"<= parameters + {RSS_SLACK_MIB} MiB", over <= RSS_SLACK_MIB))
+        out.append(_t(f"tp={tp}: logits of every run agree", "yes" if comp["logits_agree"] else "no", "yes",
+                      bool(comp["logits_agree"])))
+    trainer = find(results, "trainer start-up tp2, torchrun vs reshard launch")
+    for name, c in (trainer or {}).get("cases", {}).items():
+        if "ratio_to_torchrun" in c:
+            out.append(_t(f"trainer, tp=2: {name} vs the same under torchrun (time to first step)",
+                          f"{c['ratio_to_torchrun']:.2f}x ({c['median_time_to_first_step_s']:.1f} s)", "< 1.0x",
+                          c["ratio_to_torchrun"] < 1.0))
     return out

@@ -9,28 +9,30 @@ The public API, in the order of the data flow::
     model = empty_tp_model("out/")                    # a transformers TP model, no weights read
     fill_model(model, "out/")                         # this rank's shard into its parameters
 
-`fill_model` and `empty_tp_model` need torch and transformers; they are imported on first use.
+`fill_model` and `empty_tp_model` need torch and transformers. Every name but `Layout` and
+`ReshardError` is imported on first use, so `import reshard` stays cheap and a process that only
+fills a model (from rank files or the service) never imports the HTTP, settings or planning stacks.
 """
 
 from __future__ import annotations
 
+from importlib import import_module
 from typing import Any
 
 from reshard.errors import ReshardError
-from reshard.io.sources import open_source
-from reshard.io.writer import write_shards
 from reshard.layout import Layout
-from reshard.plan.planner import make_plan
-from reshard.rules import quant as _quant  # noqa: F401  registers the quantized kinds (reshard/rules/quant/)
 
 __version__ = "0.1.0"
 __all__ = ["Layout", "ReshardError", "__version__", "empty_tp_model", "fill_model", "make_plan", "open_source", "write_shards"]
 
+_LAZY = {"open_source": "reshard.io.sources", "write_shards": "reshard.io.writer", "make_plan": "reshard.plan.planner",
+         "fill_model": "reshard.fill", "empty_tp_model": "reshard.fill"}
+
 
 def __getattr__(name: str) -> Any:
-    """`reshard.fill_model` / `reshard.empty_tp_model`, imported on first use (they need torch)."""
-    if name in ("fill_model", "empty_tp_model"):
-        from reshard import fill
-
-        return getattr(fill, name)
+    """The public API's functions, each imported from its module on first use."""
+    if name in _LAZY:
+        value = getattr(import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
     raise AttributeError(f"module 'reshard' has no attribute {name!r}")

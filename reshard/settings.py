@@ -47,6 +47,10 @@ class LibrarySettings(BaseSettings):
                                       "(reshard.io.readcost); 0: measured from the process's own requests")
     store_retries: int = Field(5, ge=0, description="retries of a failed store request")
     store_timeout: float = Field(60.0, gt=0, description="seconds a store request may take")
+    verified_dir: str = Field("", description="where the identities of rank files whose sha256 was verified are "
+                              "recorded (reshard.io.verified; read there without this class: the fill path does "
+                              "not import pydantic-settings); default `$XDG_CACHE_HOME/reshard/verified`, "
+                              "`~/.cache/reshard/verified`")
 
 
 def library_settings() -> LibrarySettings:

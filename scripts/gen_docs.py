@@ -269,6 +269,68 @@ def gen_bench_s3_write() -> str:
     return _results_md("s3_write.md")
 
 
+def _fill_meta(data: dict[str, Any], name: str) -> str:
+    meta = data["meta"]
+    return (f"`{meta['command']}` (`bench/results/{name}`, {meta['date']}, commit {meta['git']['commit']}): medians of "
+            f"{meta['reps']} interleaved rounds after {meta['warmup']} warm-up round; {meta['machine']}, load average "
+            f"{meta['load_at_end']:.1f} at the end.")
+
+
+def _mib_list(xs: list[Any], scale: float = 1e6, unit: str = "MB") -> str:
+    return "/".join(_fmt(x / scale if x is not None else None, ".0f") for x in xs) + f" {unit}" if xs else "-"
+
+
+def _worker_rows(comp: dict[str, Any]) -> list[list[Any]]:
+    rows = []
+    for name, c in _cases(comp):
+        rows.append([name, _fmt(c["median_ready_s"], ".2f"), _fmt(c["ratio_to_baseline"], ".2f") + "x",
+                     _fmt(c["ratio_to_launch_fp"], ".2f") + "x", _fmt(c["median_load_s"], ".2f"),
+                     f"{_fmt(c['median_base_rss_mib'], '.0f')} + {_fmt(c['max_growth_mib'], '.0f')} "
+                     f"({_fmt(c['param_mib'], '.0f')})",
+                     _mib_list([b for b in c["bytes_per_rank"] if b is not None]) if c["bytes_per_rank"][0] else "-",
+                     _mib_list(c["mapped_per_rank"]) if c["mapped_per_rank"][0] else "-", ", ".join(c["verified"]) or "-"])
+    return rows
+
+
+WORKER_HEADER = ["case", "ready s", "x baseline", "x {ref}", "load s", "RSS MiB: base + peak growth (params)",
+                 "bytes per rank", "mapped per rank", "verified"]
+
+
+def gen_bench_fill() -> str:
+    """TP worker and trainer start-up, torchrun vs `reshard launch` (bench/compare_fill.py, bench/results/fill.json)."""
+    data = json.loads((RESULTS / "fill.json").read_text(encoding="utf-8"))
+    lines = [_fill_meta(data, "fill.json")]
+    for comp in data["comparisons"]:
+        if "logits_agree" in comp:
+            agree = "agree" if comp["logits_agree"] else "**disagree**"
+            lines += ["", f"{comp['title']} (baseline: {comp['baseline']}; logits of every run {agree}):", ""]
+            header = [h.format(ref="launch + from_pretrained") for h in WORKER_HEADER]
+            lines += _table(header, _worker_rows(comp), ["---"] + ["---:"] * 4 + ["---"] * 4)
+        else:
+            lines += ["", f"{comp['title']} (`-m reshard.cli.train --steps 1 --dtype keep`, from launch):", ""]
+            rows = [[n, _fmt(c["median_time_to_first_step_s"], ".2f"), _fmt(c["median_load_s"], ".2f"),
+                     _fmt(c.get("ratio_to_torchrun"), ".2f") + "x" if c.get("ratio_to_torchrun") else "-"]
+                    for n, c in _cases(comp)]
+            lines += _table(["case", "time to first step s", "model filled s", "x the same under torchrun"], rows)
+    rows = [[t["target"], t["value"], t["goal"], {True: "yes", False: "**no**", None: "-"}[t["met"]]]
+            for t in data.get("targets", [])]
+    return "\n".join([*lines, "", "Targets (issue 23, item 3):", "", *_table(["target", "value", "goal", "met"], rows)])
+
+
+def gen_bench_link() -> str:
+    """A tp=4 group behind a simulated link (bench/compare_link.py, bench/results/link.json)."""
+    data = json.loads((RESULTS / "link.json").read_text(encoding="utf-8"))
+    comp = data["comparisons"][0]
+    rows = [[n, _fmt(c["median_ready_s"], ".2f"), _fmt(c["ratio_to_baseline"], ".2f") + "x",
+             _fmt(c["ratio_to_launch_fp"], ".2f") + "x", _fmt((c["median_counted_bytes"] or 0) / 1e9, ".2f")]
+            for n, c in _cases(comp)]
+    agree = "agree" if comp["logits_agree"] else "**disagree**"
+    head = (f"{comp['title']}, checkpoint {comp['checkpoint_bytes'] / 1e9:.2f} GB (logits of every run {agree}):")
+    return "\n".join([_fill_meta(data, "link.json"), "", head, "", *_table(
+        ["case", "ready s", "x copy + torchrun", "x copy + launch", "GB over the link"], rows,
+        ["---", "---:", "---:", "---:", "---:"])])
+
+
 # --- tests' and trainer results -------------------------------------------------------------------------
 
 def gen_trainer_support() -> str:
@@ -331,6 +393,8 @@ GENERATORS: dict[str, Callable[[], str]] = {
     "bench-targets": gen_bench_targets,
     "bench-stores": gen_bench_stores,
     "bench-s3-write": gen_bench_s3_write,
+    "bench-fill": gen_bench_fill,
+    "bench-link": gen_bench_link,
     "trainer-support": gen_trainer_support,
     "coverage": gen_coverage,
 }

@@ -45,6 +45,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             f"tests with none or several ({len(wrong)}):\n" + "\n".join(wrong))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _verified_dir(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Rank files verified by `reshard write` and fills are recorded in a directory of the session's
+    (`reshard.io.verified`), not in the user's cache; subprocesses inherit it."""
+    import os
+
+    os.environ.setdefault("RESHARD_VERIFIED_DIR", str(tmp_path_factory.mktemp("verified")))
+
+
 # --- service fixtures (tests/service, tests/hardening) ------------------------------------------------
 
 

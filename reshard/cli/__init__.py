@@ -1,4 +1,4 @@
-"""The `reshard` command: plan | write | merge | pull | serve | demo.
+"""The `reshard` command: plan | write | merge | pull | serve | demo | launch.
 
 Each subcommand module of this package registers itself through `add_commands(sub)`; this file
 only dispatches and turns a `ReshardError` (or a stray `OSError`) into one line on stderr
@@ -17,14 +17,15 @@ import signal
 import sys
 import threading
 from collections.abc import Iterator, Sequence
+from importlib import import_module
 from typing import Any
 
-from reshard.cli import commands, demo, merge, serve
 from reshard.errors import ReshardError
 
-# modules that define `add_commands(subparsers)`; each command sets `func(args) -> int`
-COMMAND_MODULES = (commands, merge, serve, demo)
-OWN_SIGNALS = frozenset({"serve"})  # commands that install their own SIGTERM/SIGINT handling
+# modules of this package that define `add_commands(subparsers)`, imported when the parser is built; each
+# command sets `func(args) -> int`
+COMMAND_MODULES = ("commands", "merge", "serve", "demo", "launch")
+OWN_SIGNALS = frozenset({"serve", "launch"})  # commands that install their own SIGTERM/SIGINT handling
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
@@ -65,12 +66,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="reshard", description="Per-rank tensor-parallel shards of safetensors checkpoints.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in COMMAND_MODULES:
-        module.add_commands(sub)
+    for name in COMMAND_MODULES:
+        import_module(f"reshard.cli.{name}").add_commands(sub)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["launch"]:  # the ranks it forks inherit what is imported: not the other commands' modules
+        from reshard.cli.launch import main as launch
+
+        return launch(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     with contextlib.nullcontext() if args.command in OWN_SIGNALS else stop_on_signals():

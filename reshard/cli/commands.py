@@ -14,6 +14,7 @@ from reshard.io.progress import add_progress_flags, human
 from reshard.io.sources import open_source
 from reshard.io.store_writer import write_shards_to_store
 from reshard.io.stores import is_url
+from reshard.io.verified import record_written
 from reshard.io.writer import write_shards as write_to_dir
 from reshard.layout.mesh import Layout
 from reshard.plan.planner import make_plan
@@ -61,6 +62,8 @@ def cmd_write(args: argparse.Namespace) -> int:
     ckpt, plan = _plan(args)
     with MAPS.enabled_while():  # row-split runs gathered, and copied ranges hashed, from leased mappings
         record = write_shards(ckpt, plan, args.out, progress=args.progress)
+    if not is_url(args.out):
+        record_written(args.out, record["files"])  # a fill trusts these files' sha256 while they stay unchanged
     total = sum(f["size"] for f in record["files"].values())
     where = args.out if is_url(args.out) else Path(args.out)
     done = ", ".join(f"{rank_list(record[k])} {k}" for k in ("kept", "written") if record.get(k))

@@ -75,6 +75,9 @@ def shard_layout(model: nn.Module, names: Sequence[str]) -> Layout:
     """Where each shard tensor goes in `model`: its own tensors keep their names, others are renamed by
     transformers' renamings (unknown names pass through, for the caller to report), and per-expert
     tensors that a converter fuses become Pieces. A converter this cannot map back is a PlanError."""
+    own = set(model.state_dict(keep_vars=True)) | {n for n, _ in model.named_parameters()}
+    if own.issuperset(names):  # nothing to rename: transformers' mapping (~900 regexes, 0.3 s) is not needed
+        return Layout(renamed={n: n for n in names})
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import (
         WeightConverter,
@@ -83,9 +86,6 @@ def shard_layout(model: nn.Module, names: Sequence[str]) -> Layout:
         rename_source_key,
     )
 
-    own = set(model.state_dict(keep_vars=True)) | {n for n, _ in model.named_parameters()}
-    if own.issuperset(names):  # nothing to rename: transformers' mapping (~900 regexes, 0.3 s) is not needed
-        return Layout(renamed={n: n for n in names})
     transforms = get_model_conversion_mapping(model)
     renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
     converters = [t for t in transforms if isinstance(t, WeightConverter)]

@@ -25,16 +25,16 @@ from torch import nn
 
 from reshard.errors import CheckpointError
 from reshard.format.checkpoint import CONFIG_NAME
-from reshard.io.client import ShardClient
+from reshard.io.body import get_json
 from reshard.io.stores import is_url
+from reshard.io.wire import checkpoint_url
 from reshard.tp.comm import tp_world_size
 
 
 def source_config(source: str | Path, *, token: str | None = None) -> dict[str, Any]:
     """config.json of a checkpoint or shard directory, of a rank file's directory, or from the service."""
     if is_url(source):
-        with ShardClient(str(source), token=token) as client:
-            config = client.info().get("config")
+        config = get_json(checkpoint_url(str(source)), token=token).get("config")
     else:
         path = Path(source)
         path = (path if path.is_dir() else path.parent) / CONFIG_NAME
@@ -72,6 +72,41 @@ def empty_tp_model(
     return model.eval()
 
 
+def import_model_class(source: str | Path | dict[str, Any], *, token: str | None = None, auto_class: Any = None,
+                       warm: bool = True) -> type:
+    """Import transformers' config and model classes for `source`'s config.json (a source as in
+    `source_config`, or the dict) and return the model class: what a launcher imports once before it
+    forks the ranks (`reshard.cli.launch`). With `warm`, a one-layer copy of the model is built on the
+    meta device and dropped (no memory, no tensor op): the first build in a process costs ~0.3 s more
+    than later ones (lazily imported and first-called code paths), which the ranks then skip."""
+    import transformers
+
+    raw = source_config(source, token=token) if isinstance(source, (str, Path)) else source
+    try:
+        config = transformers.AutoConfig.for_model(**raw)
+    except (ValueError, KeyError) as e:
+        raise CheckpointError(f"{source}: config.json names no transformers architecture: {e}") from None
+    auto_class = auto_class or transformers.AutoModelForCausalLM
+    cls = auto_class._model_mapping[type(config)]  # imports its module
+    if warm:
+        _warm_build(raw, auto_class)
+    return cls
+
+
+def _warm_build(raw: dict[str, Any], auto_class: Any) -> None:
+    """Build a one-layer copy of the model on meta and drop it (best effort: any failure is ignored)."""
+    import transformers
+
+    n = raw.get("num_hidden_layers")
+    small = {k: (v[:1] if isinstance(v, list) and n and len(v) == n else v) for k, v in raw.items()}
+    small["num_hidden_layers"] = 1
+    try:
+        with torch.device("meta"):
+            auto_class.from_config(transformers.AutoConfig.for_model(**small))
+    except Exception:  # noqa: BLE001  an architecture this cannot shrink: the ranks warm up themselves
+        pass
+
+
 def hf_config(config: dict[str, Any]) -> Any:
     """The transformers config object for a config.json dict (`model_type` picks the class)."""
     from transformers import CONFIG_MAPPING
@@ -101,4 +136,4 @@ def init_buffers(model: nn.Module) -> None:
             reset()
 
 
-__all__ = ["empty_tp_model", "hf_config", "init_buffers", "source_config"]
+__all__ = ["empty_tp_model", "hf_config", "import_model_class", "init_buffers", "source_config"]

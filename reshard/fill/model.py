@@ -53,23 +53,33 @@ class FillReport:
     casts: dict[str, tuple[str, str]] = field(default_factory=dict)
     fused: int = 0
     layout: Layout | None = None
+    mapped: int = 0  # bytes bound to the rank file's mapping, not copied (reshard.fill.mapped)
+    verified: str = "none"  # sha256 (hashed), identity (unchanged since verified), none (no digest recorded)
 
     def __str__(self) -> str:
         casts = sorted({f"{a}->{b}" for a, b in self.casts.values()})
         cast = f"; cast {len(self.casts)} tensors ({', '.join(casts)})" if casts else ""
         fused = f" ({self.fused} per-expert tensors into fused parameters)" if self.fused else ""
-        return (f"filled {self.tensors} tensors{fused}, {self.bytes / 1e6:.1f} MB from {self.source} "
-                f"(rank {self.rank} of {(self.layout or Layout(tp=self.tp)).describe()}) in {self.seconds:.2f} s{cast}")
+        mapped = f", {self.mapped / 1e6:.1f} MB of it mapped" if self.mapped else ""
+        return (f"filled {self.tensors} tensors{fused}, {self.bytes / 1e6:.1f} MB from {self.source}{mapped} "
+                f"(rank {self.rank} of {(self.layout or Layout(tp=self.tp)).describe()}) in {self.seconds:.2f} s"
+                f"{cast}; verified: {self.verified}")
 
 
 def fill_model(model: nn.Module, source: str | Path, *, group: ProcessGroup | None = None,
-               token: str | None = None, layout: Layout | None = None) -> FillReport:
+               token: str | None = None, layout: Layout | None = None, mapped: bool = True,
+               verify: str = "auto") -> FillReport:
     """Fill every parameter and persistent buffer of `model` with this rank's shard of `source`: a
     rank-shard directory, the service's checkpoint URL, or one rank file. See the module docstring.
 
     The layout is `layout`, else the `DistributedConfig` transformers loaded the model with (n-D:
     pipeline, FSDP, expert parallel), else tensor parallelism over `group` (default: the DTensors'
-    1-D mesh, else the world); the rank is this process's global rank (the group's, for TP)."""
+    1-D mesh, else the world); the rank is this process's global rank (the group's, for TP).
+
+    From a local rank file, `mapped` makes the parameters that hold its bytes as they are views of a
+    private mapping of it (`reshard.fill.mapped`: no copy; False copies every byte), and `verify="auto"`
+    trusts its recorded sha256 while the file is unchanged since it was verified or written
+    (`reshard.io.verified`; "always" hashes it every time). The service's bytes are always hashed."""
     t0 = time.perf_counter()
     layout, rank = _layout_and_rank(model, group, layout)
     _config, chunks, sha, name = open_rank_stream(source, rank, layout, token=token, need_config=False)
@@ -79,13 +89,13 @@ def fill_model(model: nn.Module, source: str | Path, *, group: ProcessGroup | No
         targets, fused = match_targets(model, header)
         casts = {n: (_dtype_name(TORCH_DTYPES[header.entries[n]["dtype"]]), _dtype_name(t.dtype))
                  for n, t in targets.items() if TORCH_DTYPES[header.entries[n]["dtype"]] != t.dtype}
-        fill_parameters(header, chunks, targets, sha256=sha, leftover=leftover)
+        filled = fill_parameters(header, chunks, targets, sha256=sha, leftover=leftover, mapped=mapped, verify=verify)
     finally:
         close = getattr(chunks, "close", None)
         if close is not None:
             close()
     return FillReport(name, rank, layout.tp, len(targets), header.total, time.perf_counter() - t0, casts, fused,
-                      layout)
+                      layout, filled.mapped, filled.verified)
 
 
 def _layout_and_rank(model: nn.Module, group: ProcessGroup | None, layout: Layout | None) -> tuple[Layout, int]:
@@ -165,9 +175,11 @@ def _mesh_group(model: nn.Module) -> ProcessGroup | None:
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local tensor itself (`to_local()` of a DTensor parameter is a view of it, which a fill
+    that rebinds storage cannot use), or the tensor."""
     from torch.distributed.tensor import DTensor
 
-    return t.to_local() if isinstance(t, DTensor) else t
+    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 def _held(t: torch.Tensor) -> Held:

@@ -13,12 +13,12 @@ from pathlib import Path
 from typing import Any
 
 from reshard.errors import CheckpointError
-from reshard.format.checkpoint import CONFIG_NAME
-from reshard.io.body import ShardBody, file_body
-from reshard.io.client import ShardClient
+from reshard.format.checkpoint import CONFIG_NAME, MANIFEST_NAME
+from reshard.io.body import ShardBody, file_body, get_json
+from reshard.io.shard_prefetch import take as take_prefetched
 from reshard.io.shards import RANK_FILE
 from reshard.io.stores import is_url
-from reshard.io.writer import MANIFEST_NAME
+from reshard.io.wire import checkpoint_url
 from reshard.layout.mesh import Layout
 from reshard.plan.types import rank_file_name
 
@@ -37,12 +37,13 @@ def open_rank_stream(
     if is_url(source):
         config = None
         if need_config:
-            with ShardClient(str(source), token=token, rules=rules, engine=engine) as client:
-                config = client.info().get("config")
+            params = {k: v for k, v in (("rules", rules), ("engine", engine)) if v}
+            config = get_json(checkpoint_url(str(source)), params=params, token=token).get("config")
             if not isinstance(config, dict):
                 config = _no_config(f"{source}: the checkpoint has no config.json", need_config)
-        body = ShardBody(str(source), rank, layout.tp if layout.tp_only else layout, token=token, rules=rules,
-                         engine=engine)
+        want = layout.tp if layout.tp_only else layout
+        body = (None if rules or engine else take_prefetched(str(source), rank, want)) or ShardBody(
+            str(source), rank, want, token=token, rules=rules, engine=engine)
         return config, body, None, body.name
     path = Path(source)
     root = path.parent if path.is_file() else path

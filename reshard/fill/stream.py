@@ -8,6 +8,12 @@ A body that reads into the caller's memory (`reshard.io.body`: a rank file, or t
 is read into each parameter's own storage (`preadv`/`recv_into`: the kernel's one copy), and the
 sha256 follows in a thread, over the bytes already in place (one pass; the reader never waits for it).
 Chunk iterables (any other source) are copied in as they come.
+
+A local rank file (`mapped=True`) is not read at all where it need not be: parameters that hold its
+bytes as they are become views of a leased private mapping of it (`reshard.fill.mapped`). Its sha256
+(`verify="auto"`) is trusted while the file is unchanged since it was last verified or written
+(`reshard.io.verified`), else hashed (from the mapping, in a thread, while the rest is read);
+`verify="always"` hashes it every time. A service's answer is always hashed as it arrives.
 """
 
 from __future__ import annotations
@@ -16,14 +22,17 @@ import hashlib
 import json
 import struct
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from reshard.errors import CheckpointError, HeaderError, IntegrityError, PlanError, ReshardError
+from reshard.fill.mapped import RankMap, bindable, map_rank_file
 from reshard.format.checkpoint import MAX_HEADER_BYTES, parse_header
 from reshard.format.tensors import TORCH_DTYPES
-from reshard.io.body import RankBytes
+from reshard.io import verified
+from reshard.io.body import FileBody, RankBytes
 from reshard.io.hashing import BackgroundHash
 from reshard.layout.mesh import Layout
 from reshard.layout.placement import describe_layout
@@ -109,10 +118,23 @@ def byte_view(t: torch.Tensor) -> memoryview:
     return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy())
 
 
+VERIFY = ("auto", "always")
+
+
+@dataclass(frozen=True)
+class Filled:
+    """How a fill went: bytes bound to the file's mapping rather than copied, and how the bytes were
+    verified: "sha256" (hashed), "identity" (a local file unchanged since it was verified), "none"."""
+
+    mapped: int = 0
+    verified: str = "none"
+
+
 def fill_parameters(
     header: RankHeader, rest: Iterable[memoryview | bytes], targets: dict[str, torch.Tensor], *,
-    sha256: str | None = None, leftover: bytes | bytearray = b"", keep: bool = False,
-) -> None:
+    sha256: str | None = None, leftover: bytes | bytearray = b"", keep: bool = False, mapped: bool = False,
+    verify: str = "auto",
+) -> Filled:
     """Copy every tensor of the stream into `targets[name]` (materialized, same shape; a view into a
     larger tensor is fine, and a dtype other than the shard's is cast). On a failure the error says
     how many tensors had been filled.
@@ -120,7 +142,11 @@ def fill_parameters(
     `leftover` is what came after the header in its chunk; `rest` yields the remaining bytes.
     With `sha256`, the whole stream (header included) must hash to it. FP8 weights are dequantized
     into their parameters' dtype (`reshard.rules.quant.dequant`); with `keep` they are an error instead.
+    `mapped` binds what it can to a local file's mapping, `verify` says when its sha256 is trusted
+    (see the module docstring).
     """
+    if verify not in VERIFY:
+        raise ValueError(f"verify={verify!r}: expected one of {VERIFY}")
     order = sorted(header.entries.items(), key=lambda kv: kv[1]["data_offsets"][0])
     quant = Dequantizer(header.tensors, header.dtypes())
     missing = sorted(set(targets) - set(header.entries))
@@ -142,16 +168,19 @@ def fill_parameters(
     partial: list[str] = []
     try:
         if hasattr(rest, "readinto"):
-            _read_in(header, plans, rest, quant, targets, done, partial, sha256=sha256)
+            filled = _read_in(header, plans, rest, quant, targets, done, partial, sha256=sha256, mapped=mapped,
+                              verify=verify)
         else:
             sha = hashlib.sha256(header.raw) if sha256 else None
             _copy(header, plans, _chunks(leftover, rest), sha, quant, targets, done, partial)
             _verify(header, sha.hexdigest() if sha is not None else None, sha256)
+            filled = Filled(verified="sha256" if sha256 else "none")
     except ReshardError as e:  # a truncated or corrupt stream, or a failed download: say what was written
         half = f" and {partial[0]} in part" if partial and partial[0] not in done else ""
         raise type(e)(f"{e}; {len(done)} of {len(plans)} tensors had been filled{half}, so the parameters hold an "
                       "incomplete or unverified shard: fill them again before use") from None
     header.tensors = quant.dequantized()  # what the model now holds, for `save_rank_shard`
+    return filled
 
 
 def _verify(header: RankHeader, got: str | None, want: str | None) -> None:
@@ -164,13 +193,58 @@ PIECE = 16 << 20  # bytes read into a parameter before they are handed to the ha
 
 def _read_in(header: RankHeader, plans: list[tuple[str, torch.Tensor, torch.dtype, bool]], body: RankBytes,
              quant: Dequantizer, targets: dict[str, torch.Tensor], done: list[str], partial: list[str], *,
-             sha256: str | None) -> None:
-    """Each tensor's bytes read by `body` straight into its target (or its staging tensor, where a
-    cast or a dequantization follows), hashed behind the reader from where they landed."""
+             sha256: str | None, mapped: bool, verify: str) -> Filled:
+    """Bind what can be bound to a local file's mapping; read the rest by `body` straight into each
+    target (or its staging tensor, where a cast or a dequantization follows); verify as the module says."""
+    local = isinstance(body, FileBody)
+    want = sha256 or (body.expected_sha256() if local else None)
     check = sha256 is not None or body.verify
-    with BackgroundHash(hashlib.sha256() if check else None, backlog=None) as hasher:
+    m = map_rank_file(body.fd, body.size, body.name) if mapped and local else None
+    trusted = check and verify == "auto" and local and want is not None and verified.trusted(body.fd, want)
+    try:
+        bound = _bind(m, header, plans) if m is not None else set()
+        from_map = check and not trusted and m is not None
+        with BackgroundHash(hashlib.sha256() if from_map else None, backlog=None) as whole:
+            for piece in m.pieces() if from_map else ():  # type: ignore[union-attr]
+                whole.update(piece)  # hashed in a thread while the rest is read
+            streamed = _read_tensors(header, plans, body, quant, targets, done, partial, bound,
+                                     hash_it=check and not trusted and m is None)
+            got = whole.hexdigest() if from_map else streamed
+    finally:
+        if m is not None:
+            m.done()
+    if check and not trusted:
+        want = want or body.expected_sha256()
+        _verify(header, got, want)
+        if local and want is not None:
+            verified.record(body.fd, want, path=body.name)
+    how = "identity" if trusted else "sha256" if check else getattr(body, "verified_as", None) or "none"
+    return Filled(m.bytes if m is not None else 0, how)
+
+
+def _bind(m: RankMap, header: RankHeader, plans: list[tuple[str, torch.Tensor, torch.dtype, bool]]) -> set[str]:
+    """The names of the tensors made views of the mapping (every one `bindable`)."""
+    base, bound = len(header.raw), set()
+    for name, t, src_dtype, direct in plans:
+        offset = base + header.entries[name]["data_offsets"][0]
+        if direct and bindable(t, src_dtype, offset):
+            m.bind(t, offset)
+            bound.add(name)
+    return bound
+
+
+def _read_tensors(header: RankHeader, plans: list[tuple[str, torch.Tensor, torch.dtype, bool]], body: RankBytes,
+                  quant: Dequantizer, targets: dict[str, torch.Tensor], done: list[str], partial: list[str],
+                  bound: set[str], *, hash_it: bool) -> str | None:
+    """Read every tensor not in `bound`, in file order; the sha256 of the whole stream when `hash_it`."""
+    with BackgroundHash(hashlib.sha256() if hash_it else None, backlog=None) as hasher:
         hasher.update(header.raw)
         for name, t, src_dtype, direct in plans:
+            if name in bound:
+                done.append(name)
+                continue
+            if bound:
+                body.seek(len(header.raw) + header.entries[name]["data_offsets"][0])  # type: ignore[attr-defined]
             staging = t if direct else torch.empty(t.shape, dtype=src_dtype)
             dst = byte_view(staging) if staging.numel() else memoryview(bytearray())
             if direct:
@@ -184,8 +258,7 @@ def _read_in(header: RankHeader, plans: list[tuple[str, torch.Tensor, torch.dtyp
                 for target, value in quant.feed(name, staging):
                     into(targets[target], value, name=target)
             done.append(name)
-        if check:
-            _verify(header, hasher.hexdigest(), sha256 or body.expected_sha256())
+        return hasher.hexdigest() if hash_it else None
 
 
 def _copy(header: RankHeader, plans: list[tuple[str, torch.Tensor, torch.dtype, bool]], it: Iterator[memoryview],

@@ -32,7 +32,8 @@ from reshard.gcpause import paused_gc
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
-__all__ = ["CONFIG_NAME", "DTYPE_SIZES", "INDEX_NAME", "MAX_HEADER_BYTES", "SINGLE_NAME", "Checkpoint", "Directory",
+MANIFEST_NAME = "reshard.json"  # beside rank files: what wrote them, and the sha256 of each
+__all__ = ["CONFIG_NAME", "DTYPE_SIZES", "INDEX_NAME", "MANIFEST_NAME", "MAX_HEADER_BYTES", "SINGLE_NAME", "Checkpoint", "Directory",
            "FileInfo", "GlobalTensor", "LocalDirectory", "Piece", "Source", "TensorInfo", "WholeTensors",
            "encode_header", "files_identity", "header_bytes_wanted", "header_from", "parse_header", "read_header",
            "read_json"]

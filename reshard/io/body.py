@@ -20,17 +20,20 @@ from __future__ import annotations
 
 import contextlib
 import http.client
+import json
 import os
-import ssl
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Protocol
-from urllib.parse import urlencode, urlsplit
+from typing import TYPE_CHECKING, Any, Protocol
+from urllib.parse import urlencode
 
 from reshard.errors import IntegrityError, ReshardError, SourceChangedError
-from reshard.io.client import SHA_HEADER, TOKEN_ENV, ShardClient, as_world, layout_params
+from reshard.io.wire import SHA_HEADER, as_world, auth_headers, checkpoint_url, connect, layout_params
 from reshard.layout.mesh import Layout
+
+if TYPE_CHECKING:
+    from reshard.io.client import ShardClient
 
 CHUNK = 8 << 20  # bytes per chunk when the body is iterated
 
@@ -66,6 +69,7 @@ class FileBody:
 
     def __init__(self, path: Path, sha256: str | None = None) -> None:
         self.name, self.sha256, self.pos, self.verify = str(path), sha256, 0, sha256 is not None
+        self.verified_as: str | None = None  # how the bytes were verified already (a prefetch), if they were
         self.fd = os.open(path, os.O_RDONLY)
         self.size = os.fstat(self.fd).st_size
 
@@ -81,6 +85,10 @@ class FileBody:
 
     def expected_sha256(self) -> str | None:
         return self.sha256
+
+    def seek(self, pos: int) -> None:
+        """Read on from byte `pos` (a fill skips the tensors it mapped)."""
+        self.pos = pos
 
     def __iter__(self) -> Iterator[bytes]:
         return chunks_of(self)
@@ -98,17 +106,16 @@ class _Retry(Exception):
 class ShardBody:
     """`GET .../shards/RANK?tp=TP` of the service, received into the caller's buffers (see the module)."""
 
-    def __init__(self, checkpoint_url: str, rank: int, tp: int | Layout, *, token: str | None = None, timeout: float = 60.0,
+    def __init__(self, url: str, rank: int, tp: int | Layout, *, token: str | None = None, timeout: float = 60.0,
                  retries: int = 5, backoff: float = 0.25, rules: str | None = None, engine: str | None = None) -> None:
-        self.client = ShardClient(checkpoint_url, token=token, retries=retries, timeout=timeout, backoff=backoff,
-                                  rules=rules, engine=engine)
+        self.url = checkpoint_url(url)
         self.rank, self.tp, self.timeout, self.retries, self.backoff = rank, tp, timeout, retries, backoff
-        url = urlsplit(self.client.shard_url(rank))
-        self._where = (url.scheme, url.hostname or "127.0.0.1", url.port)
-        self._target = url.path + "?" + urlencode({**self.client.params, **layout_params(tp)})
-        token = token if token is not None else os.environ.get(TOKEN_ENV) or None
-        self._auth = {"Authorization": f"Bearer {token}"} if token else {}
-        self.name = f"{checkpoint_url.rstrip('/')} rank {rank}/{as_world(tp)}"
+        self.token, self.params = token, {k: v for k, v in (("rules", rules), ("engine", engine)) if v}
+        self._shard = f"{self.url}/shards/{rank}"
+        self._query = {**self.params, **layout_params(tp)}
+        self._auth = auth_headers(token)
+        self.name = f"{self.url} rank {rank}/{as_world(tp)}"
+        self._client: ShardClient | None = None  # httpx, only to name an error answer
         self.pos, self.size, self.etag, self.sha256, self.verify = 0, 0, "", None, True
         self._conn: http.client.HTTPConnection | None = None
         self._resp: http.client.HTTPResponse | None = None
@@ -122,24 +129,19 @@ class ShardBody:
     def _open(self) -> int:
         """(Re)send the GET from `self.pos`; check what answers it."""
         self._disconnect()
-        scheme, host, port = self._where
-        if scheme == "https":
-            conn: http.client.HTTPConnection = http.client.HTTPSConnection(
-                host, port, timeout=self.timeout, context=ssl.create_default_context())
-        else:
-            conn = http.client.HTTPConnection(host, port, timeout=self.timeout)
+        conn, target = connect(self._shard + "?" + urlencode(self._query), timeout=self.timeout)
         headers = {**self._auth, "Accept-Encoding": "identity"}
         if self.pos:
             headers.update({"Range": f"bytes={self.pos}-", "If-Range": self.etag})
         self._conn = conn
-        conn.request("GET", self._target, headers=headers)
+        conn.request("GET", target, headers=headers)
         resp = conn.getresponse()
         self._resp = resp
         if resp.status >= 500:
             raise _Retry(f"HTTP {resp.status}")
         if resp.status >= 400:
             self._disconnect()
-            self.client.head(self.rank, self.tp)  # raises the error the server names, as ShardClient does
+            self.client().head(self.rank, self.tp)  # raises the error the server names, as ShardClient does
             raise _Retry(f"HTTP {resp.status}")
         self._check(resp)
         return 0
@@ -194,7 +196,7 @@ class ShardBody:
 
     def expected_sha256(self) -> str | None:
         if self.sha256 is None:  # the server did not know it when the body started: it does now
-            d = self.client.digest(self.rank, self.tp)
+            d = get_json(self._shard + "/digest", params=self._query, token=self.token, timeout=max(self.timeout, 600.0))
             if d["etag"] != self.etag:
                 raise IntegrityError(f"{self.name}: the shard changed on the server during the download")
             self.sha256 = d["sha256"]
@@ -210,9 +212,48 @@ class ShardBody:
                 with contextlib.suppress(OSError):
                     part.close()
 
+    def client(self) -> ShardClient:
+        """The httpx client for the same checkpoint (made on first use)."""
+        if self._client is None:
+            from reshard.io.client import ShardClient
+
+            self._client = ShardClient(self.url, token=self.token, retries=self.retries, timeout=self.timeout,
+                                       backoff=self.backoff, **self.params)
+        return self._client
+
     def close(self) -> None:
         self._disconnect()
-        self.client.close()
+        if self._client is not None:
+            self._client.close()
+
+
+def get_json(url: str, *, params: dict[str, Any] | None = None, token: str | None = None,
+             timeout: float = 60.0) -> dict[str, Any]:
+    """GET a small JSON answer of the service (the checkpoint's info, a shard's digest) with `http.client`;
+    anything but a 2xx answer is asked again through `ShardClient`, which retries and raises the error
+    the server named, so both paths fail alike."""
+    full = url + ("?" + urlencode(params) if params else "")
+    try:
+        conn, target = connect(full, timeout=timeout)
+        try:
+            conn.request("GET", target, headers={**auth_headers(token), "Accept-Encoding": "identity"})
+            resp = conn.getresponse()
+            body = resp.read()
+            if 200 <= resp.status < 300:
+                return json.loads(body)
+        finally:
+            conn.close()
+    except (OSError, http.client.HTTPException, ValueError):
+        pass
+    return _through_client(url, params or {}, token, timeout)
+
+
+def _through_client(url: str, params: dict[str, Any], token: str | None, timeout: float) -> dict[str, Any]:
+    from reshard.io.client import ShardClient  # httpx only on this path
+
+    base = url[: url.index("/v1/checkpoints/")] + "/v1/checkpoints/" + url.split("/v1/checkpoints/", 1)[1].split("/")[0]
+    with ShardClient(base, token=token, timeout=timeout) as client:
+        return client._json("GET", url, params=params)  # noqa: SLF001  the same request, retried, errors named
 
 
 def file_body(path: Path, *, sha256: str | None = None) -> FileBody:
@@ -222,4 +263,4 @@ def file_body(path: Path, *, sha256: str | None = None) -> FileBody:
         raise SourceChangedError(f"{path}: cannot open: {e.strerror}") from None
 
 
-__all__ = ["FileBody", "RankBytes", "ShardBody", "chunks_of", "file_body"]
+__all__ = ["FileBody", "RankBytes", "ShardBody", "chunks_of", "file_body", "get_json"]

@@ -33,12 +33,11 @@ from reshard.errors import IntegrityError, NotFoundError, OutputPathError, Resha
 from reshard.io.hashing import BackgroundHash, file_sha256
 from reshard.io.outfs import check_space, fsync_dir, made_dir, output_errors
 from reshard.io.progress import Progress
+from reshard.io.wire import SHA_HEADER, as_world, auth_headers, layout_params
+from reshard.io.wire import checkpoint_url as as_checkpoint_url
 from reshard.layout.mesh import Layout
 from reshard.plan.types import rank_file_name
 
-TOKEN_ENV = "RESHARD_TOKEN"
-SHA_HEADER = "x-reshard-sha256"
-_CKPT_URL = re.compile(r"^https?://[^/]+(/.*)?/v1/checkpoints/[A-Za-z0-9][A-Za-z0-9._-]*$")
 _CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/(\d+)$")
 _RETRY_STATUS = frozenset({500, 502, 503, 504})
 
@@ -62,15 +61,11 @@ class ShardClient:
     def __init__(self, checkpoint_url: str, *, token: str | None = None, retries: int = 5, timeout: float = 60.0,
                  backoff: float = 0.25, rules: str | None = None, engine: str | None = None, verify: bool = True,
                  transport: httpx.BaseTransport | None = None) -> None:
-        url = checkpoint_url.rstrip("/")
-        if not _CKPT_URL.match(url):
-            raise ReshardError(f"{checkpoint_url!r} is not a checkpoint URL; expected http://HOST:PORT/v1/checkpoints/NAME")
+        url = as_checkpoint_url(checkpoint_url)
         self.url, self.retries, self.backoff, self.verify = url, retries, backoff, verify
         self.params = {k: v for k, v in (("rules", rules), ("engine", engine)) if v}
-        token = token if token is not None else os.environ.get(TOKEN_ENV) or None
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.timeout = timeout
-        self._http = httpx.Client(headers=headers, timeout=httpx.Timeout(timeout, connect=min(timeout, 10.0)),
+        self._http = httpx.Client(headers=auth_headers(token), timeout=httpx.Timeout(timeout, connect=min(timeout, 10.0)),
                                   transport=transport)
 
     def __enter__(self) -> ShardClient:
@@ -370,15 +365,4 @@ def _read_meta(path: Path) -> Any:
         return json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-
-
-def layout_params(layout: int | Layout) -> dict[str, int]:
-    """The query parameters naming a layout (`tp`, and the other sizes that are not 1); an integer is tp."""
-    if isinstance(layout, int):
-        return {"tp": layout}
-    return {k: v for k, v in layout.sizes().items() if v != 1 or k == "tp"}
-
-
-def as_world(layout: int | Layout) -> int:
-    return layout if isinstance(layout, int) else layout.world
 

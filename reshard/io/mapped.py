@@ -59,6 +59,30 @@ class _Mapping:
         os.close(self.fd)
 
 
+def file_key(fd: int) -> tuple[int, int, int, int]:
+    """(device, inode, size, mtime_ns) of the file open on `fd`."""
+    st = os.fstat(fd)
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def leased_copy(fd: int, key: tuple[int, int, int, int]) -> int | None:
+    """A descriptor of its own for the file open on `fd` (so that a lease lives as long as whoever
+    holds it), holding a read lease, if the file still is `key` (`file_key`); None where it is not or
+    no lease can be had (then read the file instead of mapping it)."""
+    try:
+        own = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        if file_key(own) != key:
+            raise OSError("changed")
+        fcntl.fcntl(own, fcntl.F_SETLEASE, fcntl.F_RDLCK)
+        return own
+    except OSError:
+        os.close(own)
+        return None
+
+
 class MappedFiles:
     """The process's leased mappings (one instance: `MAPS`)."""
 
@@ -127,8 +151,7 @@ class MappedFiles:
         where the file cannot be mapped now: read the rest)."""
         if not self.enabled:
             return 0
-        st = os.fstat(fd)
-        key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        key = file_key(fd)
         done = 0
         while done < n:
             m = self._acquire(fd, key)
@@ -163,15 +186,10 @@ class MappedFiles:
         size = key[2]
         if not size or size > MAX_MAPPED:
             return None
-        try:
-            own = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
-        except OSError:
+        own = leased_copy(fd, key)
+        if own is None:
             return None
         try:
-            st = os.fstat(own)
-            if (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns) != key:
-                raise OSError("changed")
-            fcntl.fcntl(own, fcntl.F_SETLEASE, fcntl.F_RDLCK)
             m = _Mapping(own, key)
         except (OSError, ValueError):
             os.close(own)

@@ -21,7 +21,6 @@ from typing import Any, TypeVar
 
 from reshard.errors import CheckpointError, SourceChangedError, StoreError, StoreUnavailableError
 from reshard.io.readcost import costs_for
-from reshard.settings import library_settings
 
 URL_RE = re.compile(r"^(s3|gs|hf|https?)://", re.I)
 SECRET_VARS = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ACCESS_KEY_ID", "GOOGLE_SERVICE_ACCOUNT_KEY",
@@ -262,6 +261,8 @@ def _settling(meta: dict[str, Any]) -> float:
 
 def _make_store(root: str, endpoint: str) -> Any:
     from obstore.store import GCSStore, HTTPStore, S3Store
+
+    from reshard.settings import library_settings  # pydantic-settings only where a store is opened
 
     settings = library_settings()
     retries, timeout = settings.store_retries, settings.store_timeout

@@ -61,7 +61,7 @@ def build_model(
     model.to_empty(device=device)
     retie(model, tied)
     fill_parameters(header, chunks, shard_targets(model, header.model_tensors()), sha256=sha, leftover=leftover,
-                    keep=dtype is None)
+                    keep=dtype is None, mapped=True)  # a local rank file's bytes mapped where the dtype is kept
     init_buffers(model)
     install_gradient_sums(model)
     model.rank_header = header  # what `save_rank_shard` describes the saved file with

@@ -99,7 +99,8 @@ def _status_kib() -> dict[str, int]:
 
 
 def build_memory_job(rank: int, world_size: int, shard_dir: str) -> dict[str, int]:
-    """Peak RSS increase (bytes) of this rank while `build_model` runs, and its parameter bytes.
+    """Peak RSS increase (bytes) of this rank while `build_model` runs and its parameters are read
+once (those mapped from the rank file are resident only then), and its parameter bytes.
 
     The kernel's peak-RSS counter is reset right before the build (`clear_refs` 5), so the peak is
     the build's own, not that of importing torch or joining the group. A tiny meta -> `to_empty`
@@ -127,6 +128,9 @@ def build_memory_job(rank: int, world_size: int, shard_dir: str) -> dict[str, in
         f.write("5")
     before = _status_kib()
     model = build_model(shard_dir)
+    with torch.no_grad():  # parameters mapped from the rank file become resident as they are read: read them all
+        for p in model.parameters():
+            p.sum()
     after = _status_kib()
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     return {
@@ -161,10 +165,11 @@ def global_slice(full: torch.Tensor, select: list[list[list[int]]]) -> torch.Ten
 
 def run_train(
     shards: Path, tp: int, *, steps: int, save: Path, metrics: Path, lr: float, seq_len: int = 32,
-    batch_size: int = 4, timeout: float = 180.0,
+    batch_size: int = 4, timeout: float = 180.0, launcher: str = "torchrun",
 ) -> subprocess.CompletedProcess[str]:
     """`reshard.cli.train.main` in this process (tp=1, no torchrun: stdout in the result), or
-    `python -m reshard.cli.train` under `torch.distributed.run` (tp > 1)."""
+    `python -m reshard.cli.train` under `torch.distributed.run` (tp > 1), or under `reshard launch`
+    (`launcher="reshard"`)."""
     args = ["--shards", str(shards), "--steps", str(steps), "--save", str(save),
             "--metrics", str(metrics), "--seq-len", str(seq_len), "--batch-size", str(batch_size),
             "--seed", "3", "--lr", str(lr), "--dtype", "float32", "--threads", "1"]
@@ -174,10 +179,11 @@ def run_train(
             rc = train_main(args)
         assert rc == 0, f"tp=1 training failed ({rc}):\n{stdout.getvalue()}"
         return subprocess.CompletedProcess(["reshard.cli.train", *args], rc, stdout.getvalue(), "")
-    launcher = ["-m", "torch.distributed.run", "--nproc-per-node", str(tp), "--master-addr", "127.0.0.1",
-                "--master-port", str(free_port()), "-m", "reshard.cli.train"]
+    start = ["-m", "reshard.cli.launch"] if launcher == "reshard" else ["-m", "torch.distributed.run"]
+    launcher_args = [*start, "--nproc-per-node", str(tp), "--master-addr", "127.0.0.1",
+                     "--master-port", str(free_port()), "-m", "reshard.cli.train"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
-    proc = subprocess.run([PYTHON, *launcher, *args], cwd=REPO, env=env, capture_output=True,
+    proc = subprocess.run([PYTHON, *launcher_args, *args], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=timeout)
     assert proc.returncode == 0, f"tp={tp} training failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
     return proc

@@ -109,6 +109,17 @@ def test_merged_training_result_loads_with_from_pretrained(trained: dict, arch_w
 
 
 @pytest.mark.multiproc
+def test_training_under_reshard_launch_equals_torchrun(trained: dict, arch_work: Path, tmp_path: Path) -> None:
+    """The same run forked by `reshard launch` (reshard.cli.launch): the same losses and saved weights, bit for bit."""
+    run_train(arch_work / "llama" / "tp2", 2, steps=STEPS, save=tmp_path / "saved", metrics=tmp_path / "metrics.json",
+              lr=LR, launcher="reshard")
+    metrics, ref = json.loads((tmp_path / "metrics.json").read_text()), trained["llama", 2]
+    assert metrics["tp"] == 2 and metrics["losses"] == ref["metrics"]["losses"]
+    files = [rank_file_name(r, 2) for r in range(2)]
+    assert filecmp.cmpfiles(tmp_path / "saved", ref["saved"], files, shallow=False) == (files, [], [])
+
+
+@pytest.mark.multiproc
 def test_tp1_run_without_torchrun_prints_losses(trained: dict) -> None:
     stdout = trained["llama", 1]["proc"].stdout
     printed = [float(x) for x in re.findall(rf"^step +\d+/{STEPS} +loss (\S+)", stdout, flags=re.M)]

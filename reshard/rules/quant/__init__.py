@@ -6,7 +6,7 @@
 - `rules`: the manifest hook: each rule's quantized twin, so a scale follows its weight's rule.
 - `dequant`: the trainer's fill dequantizes FP8 weights into the training dtype, tensor by tensor.
 
-Importing `reshard` imports this package's kinds, so recorded kinds resolve everywhere.
+Importing `reshard.rules` imports this package's kinds, so recorded kinds resolve everywhere.
 """
 
 from reshard.rules.quant import kinds

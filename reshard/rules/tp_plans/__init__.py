@@ -17,7 +17,6 @@ from reshard.errors import ManifestError
 from reshard.rules.tp_plans import mla as _mla  # noqa: F401  (registers the optional MLA-by-heads config rules)
 from reshard.rules.tp_plans.entry import PlanEntry, load_table, table_entry, table_version
 from reshard.rules.tp_plans.live import live_entry, transformers_version
-from reshard.settings import library_settings
 
 __all__ = ["PlanEntry", "resolve_plan", "entry_for", "table_entry", "live_entry", "load_table"]
 
@@ -28,9 +27,15 @@ __all__ = ["PlanEntry", "resolve_plan", "entry_for", "table_entry", "live_entry"
 SOURCE_ENV = "RESHARD_PLAN_SOURCE"
 
 
+def _plan_source() -> str:
+    from reshard.settings import library_settings  # pydantic-settings only where a plan is looked up
+
+    return library_settings().plan_source
+
+
 def entry_for(model_type: str) -> tuple[PlanEntry | None, str]:
     """The plan entry for `model_type` and its source line (the shipped table unless told otherwise)."""
-    mode = library_settings().plan_source
+    mode = _plan_source()
     if mode not in ("auto", "live", "table"):
         raise ManifestError(f"{SOURCE_ENV}={mode!r}: expected table, live or auto")
     installed = transformers_version() if mode != "table" else None
@@ -53,7 +58,7 @@ def resolve_plan(config: dict[str, Any]) -> tuple[PlanEntry, str]:
         base = entry or PlanEntry(model_type=str(model_type), base_plan={}, lm_plan={"lm_head": "colwise_gather_output"})
         return dataclasses.replace(base, base_plan=dict(own)), "config.json base_model_tp_plan"
     if entry is None:
-        live = library_settings().plan_source != "table" and transformers_version()
+        live = _plan_source() != "table" and transformers_version()
         where = f", none in transformers {live}" if live else ""
         also = "" if live or not transformers_version() else (
             f", or set {SOURCE_ENV}=live to use the plans of the installed transformers {transformers_version()}")

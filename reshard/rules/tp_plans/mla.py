@@ -21,7 +21,6 @@ from typing import Any
 from reshard.rules.manifest import Rule, register_config_rules
 from reshard.rules.tp_plans.derive import ConfigSizes
 from reshard.rules.tp_plans.entry import PlanEntry, table_entry
-from reshard.settings import library_settings
 
 _PER_HEAD = {"q_b_proj": "column", "q_proj": "column", "kv_b_proj": "column", "o_proj": "row",
              "kv_a_proj_with_mqa": "replicate"}
@@ -30,6 +29,8 @@ _ATTN = re.compile(r"(?P<pre>.*\.self_attn)\.(?P<leaf>[a-z_]+)\.(weight|bias)")
 
 @register_config_rules
 def mla_head_rules(config: dict[str, Any], names: list[str]) -> list[Rule]:
+    from reshard.settings import library_settings  # pydantic-settings only where rules are derived
+
     if library_settings().mla != "heads" or not config.get("kv_lora_rank"):
         return []
     model_type = str(config.get("model_type"))
