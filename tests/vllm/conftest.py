@@ -1,9 +1,11 @@
 """Fixtures for the vLLM tests (run in the vLLM environment `./run test` sets up: `.venv-vllm`; the main
 environment has no vLLM and skips this folder, see tests/conftest.py).
 
-One root of transformers-made checkpoints (tests/support/vllm_ckpts.py), a real `reshard serve` on it,
-the `model=` directories a worker gets from `reshard pull --meta` (config and tokenizer, no weights),
-rank files `reshard write --engine vllm` made, and copies of each checkpoint with other random weights.
+One root of transformers-made checkpoints (tests/support/vllm_ckpts.py), a real `reshard serve` on it and
+a second one that asks for a bearer token, the `model=` directories a worker gets from `reshard pull
+--meta` (config and tokenizer, no weights), rank files `reshard write --engine vllm` made, and copies of
+each checkpoint with other random weights. vLLM's engine core and its model checks run in this process
+(tests/support/vllm_engine.py).
 """
 
 from __future__ import annotations
@@ -19,10 +21,12 @@ import pytest
 
 from tests.support.live import LiveServer, live_server
 from tests.support.vllm_ckpts import MODELS, make_model
-from tests.support.vllm_engine import engine_env
+from tests.support.vllm_engine import engine_env, inspect_in_process
 
-# before vLLM is imported: its temporary, cache and RPC paths, thread binding
+# before vLLM is imported: its temporary, cache and RPC paths, thread binding, the engine core in process
 os.environ.update(engine_env(Path(tempfile.mkdtemp(prefix="reshard-vllm-"))))
+inspect_in_process()
+TOKEN = "vllm-tests-token"
 
 
 def reshard_cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -42,6 +46,13 @@ def vroot(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def vserver(vroot: Path) -> Iterator[LiveServer]:
     with live_server(vroot) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="session")
+def vserver_token(vroot: Path) -> Iterator[LiveServer]:
+    """`reshard serve --token TOKEN` on the same root."""
+    with live_server(vroot, token=TOKEN) as srv:
         yield srv
 
 
