@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import torch
 from torch import nn
 
@@ -66,3 +67,18 @@ def loaded(model_dir: Path, **load: Any) -> dict[str, torch.Tensor]:
     with built(model_dir, **load) as b:
         b.load()
         return {name: p.detach().clone() for name, p in b.model.named_parameters()}
+
+
+def loaded_by_reshard(model_dir: Path, **source: str) -> dict[str, torch.Tensor]:
+    """`loaded` with load_format="reshard" and `source` as its model_loader_extra_config."""
+    return loaded(model_dir, load_format="reshard", model_loader_extra_config=source)
+
+
+def store_rules(checkpoint_url: str, label: str, *, first: dict[str, Any] | None = None) -> None:
+    """The manifest that applies to the checkpoint, stored on the service under `label` (`first`: a rule put
+    before the others)."""
+    manifest = httpx.get(f"{checkpoint_url}/rules", timeout=30).json()["manifest"]
+    if first is not None:
+        manifest["rules"].insert(0, first)
+    stored = httpx.put(f"{checkpoint_url}/rules", params={"label": label}, json=manifest, timeout=30)
+    assert stored.status_code == 200, stored.text

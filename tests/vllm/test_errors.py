@@ -15,7 +15,6 @@ from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 
-import httpx
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -24,7 +23,7 @@ from reshard.cli import main
 from reshard.errors import PlanError, ReshardError
 from tests.support.live import LiveServer
 from tests.support.vllm_ckpts import quantized_model_dir
-from tests.support.vllm_models import built, loaded
+from tests.support.vllm_models import built, loaded_by_reshard, store_rules
 
 pytestmark = pytest.mark.servers
 
@@ -41,29 +40,22 @@ def edited_shards(src: Path, tmp: Path, edit: Callable[[dict[str, torch.Tensor]]
     return out
 
 
-def reshard_load(model_dir: Path, **source: str) -> dict[str, torch.Tensor]:
-    return loaded(model_dir, load_format="reshard", model_loader_extra_config=source)
-
-
 def test_a_parameter_no_shard_fills_is_named(vroot: Path, tmp_path: Path, meta_dir: Callable[[str], Path]) -> None:
     shards = edited_shards(vroot / "llama", tmp_path, lambda s: s.pop("model.layers.1.mlp.down_proj.weight"))
     with pytest.raises(PlanError, match=r"1 vLLM parameters were not filled whole by the shard: "
                                         r"model.layers.1.mlp.down_proj.weight \(0 of 32768 elements\)"):
-        reshard_load(meta_dir("llama"), shards=str(shards))
+        loaded_by_reshard(meta_dir("llama"), shards=str(shards))
 
 
 def test_a_tensor_that_does_not_fit_its_place_is_named_with_both_shapes(vserver: LiveServer,
                                                                         meta_dir: Callable[[str], Path]) -> None:
     """Stored rules that replicate qwen2's vocabulary (1000 rows) where vLLM holds it padded to 1024."""
     url = vserver.ckpt_url("qwen2")
-    manifest = httpx.get(f"{url}/rules", timeout=30).json()["manifest"]
-    manifest["rules"].insert(0, {"pattern": "model.embed_tokens.weight", "kind": "replicate"})
-    stored = httpx.put(f"{url}/rules", params={"label": "whole-vocab"}, json=manifest, timeout=30)
-    assert stored.status_code == 200, stored.text
+    store_rules(url, "whole-vocab", first={"pattern": "model.embed_tokens.weight", "kind": "replicate"})
     with pytest.raises(PlanError, match=r"model.embed_tokens.weight: has shape \[1000, 128\] in the shard, but its "
                                         r"place in vLLM's model.embed_tokens.weight \(block None\) has shape "
                                         r"\[1024, 128\]: the shard was cut for another engine"):
-        reshard_load(meta_dir("qwen2"), url=url, rules="whole-vocab")
+        loaded_by_reshard(meta_dir("qwen2"), url=url, rules="whole-vocab")
 
 
 def test_two_tensors_for_one_place_are_named(vroot: Path, tmp_path: Path, meta_dir: Callable[[str], Path]) -> None:
@@ -76,7 +68,7 @@ def test_two_tensors_for_one_place_are_named(vroot: Path, tmp_path: Path, meta_d
     with pytest.raises(PlanError, match=r"model.layers.0.block_sparse_moe.experts.2.(w1|gate_proj).weight: "
                                         r"model.layers.0.block_sparse_moe.experts.routed_experts.w13_weight \(block \(2, 'w1'\)\) "
                                         r"was filled twice; the shard has two tensors for one place"):
-        reshard_load(meta_dir("mixtral"), shards=str(shards))
+        loaded_by_reshard(meta_dir("mixtral"), shards=str(shards))
 
 
 def test_pipeline_parallelism_is_refused(vwritten: Callable[..., Path], meta_dir: Callable[[str], Path],
@@ -96,9 +88,9 @@ def test_a_quantized_model_is_refused(vwritten: Callable[..., Path], meta_dir: C
     model_dir = quantized_model_dir(meta_dir("llama"), tmp_path / "w8a8")
     with pytest.raises(ReshardError, match=r"load_format='reshard' loads unquantized checkpoints only; this one is "
                                            r"'compressed-tensors': use load_format='auto'"):
-        reshard_load(model_dir, shards=str(vwritten("llama", 1)))
+        loaded_by_reshard(model_dir, shards=str(vwritten("llama", 1)))
 
 
 def test_a_missing_token_is_refused(vserver_token: LiveServer, meta_dir: Callable[[str], Path]) -> None:
     with pytest.raises(ReshardError, match=r"/v1/checkpoints/llama/shards/0\?.*: HTTP 401 Unauthorized"):
-        reshard_load(meta_dir("llama"), url=vserver_token.ckpt_url("llama"))
+        loaded_by_reshard(meta_dir("llama"), url=vserver_token.ckpt_url("llama"))

@@ -9,7 +9,6 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-import httpx
 import pytest
 import torch
 import transformers
@@ -20,20 +19,16 @@ from reshard.errors import ReshardError
 from reshard.rules.from_config import from_config
 from tests.support.live import LiveServer
 from tests.support.vllm_ckpts import MODELS
-from tests.support.vllm_models import loaded
+from tests.support.vllm_models import loaded, loaded_by_reshard, store_rules
 
 pytestmark = pytest.mark.servers
-
-
-def reshard_load(model_dir: Path, **source: str) -> dict[str, torch.Tensor]:
-    return loaded(model_dir, load_format="reshard", model_loader_extra_config=source)
 
 
 @pytest.mark.parametrize("name", list(MODELS))
 def test_every_parameter_equals_vllms_default_load(name: str, vroot: Path, meta_dir: Callable[[str], Path],
                                                    vwritten: Callable[..., Path]) -> None:
     want = loaded(vroot / name)  # vLLM's default loader on the full checkpoint
-    got = reshard_load(meta_dir(name), shards=str(vwritten(name, 1)))
+    got = loaded_by_reshard(meta_dir(name), shards=str(vwritten(name, 1)))
     assert list(got) == list(want)
     assert [n for n in want if not torch.equal(got[n], want[n])] == []
     # every parameter comes from the checkpoint: other weights change each one, biases and norms included
@@ -67,12 +62,10 @@ def test_qwen2_moe_experts_are_split_by_the_shipped_table_not_by_the_installed_t
 def test_the_rules_key_chooses_a_manifest_stored_on_the_service(vserver: LiveServer, vroot: Path,
                                                                 meta_dir: Callable[[str], Path]) -> None:
     url = vserver.ckpt_url("llama")
-    manifest = httpx.get(f"{url}/rules", timeout=30).json()["manifest"]
-    stored = httpx.put(f"{url}/rules", params={"label": "plugin"}, json=manifest, timeout=30)
-    assert stored.status_code == 200, stored.text
+    store_rules(url, "plugin")
     want = loaded(vroot / "llama")
-    got = reshard_load(meta_dir("llama"), url=url, rules="plugin")
+    got = loaded_by_reshard(meta_dir("llama"), url=url, rules="plugin")
     assert [n for n in want if not torch.equal(got[n], want[n])] == []
     with pytest.raises(ReshardError, match=r"HTTP 404 .*checkpoint 'llama' has no stored manifest 'nolabel'; "
                                            r"stored: \['plugin'\]"):
-        reshard_load(meta_dir("llama"), url=url, rules="nolabel")
+        loaded_by_reshard(meta_dir("llama"), url=url, rules="nolabel")
