@@ -6,11 +6,15 @@ Time: from launch until `LLM(...)` returns (ready to generate), and the ratio to
 per round. Bytes per rank: the plugin's report of the rank stream it read, the service's count of
 shard bytes sent (the two ranks together), and, for the default loader, the bytes vLLM's own weights
 iterator hands each rank (every tensor of every file). The greedy tokens of a fixed prompt must agree.
+Results: `bench/results/vllm.json` (the table in docs/performance.md is generated from it by
+`scripts/gen_docs.py`), with the load average at the start and the end of the run.
 """
 
 from __future__ import annotations
 
+import datetime
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -87,6 +91,8 @@ def run_vllm(src: Path, work: Path, *, reps: int) -> dict[str, Any]:
     runs = {name: c["runs"] for name, c in res["cases"].items()}
     full = sum(p.stat().st_size for p in (root / NAME).glob("*.safetensors"))
     res["summary"] = {name: {"median_ready_s": median([r["ready_s"] for r in rs]),
+                             "ready_s": [r["ready_s"] for r in rs],
+                             "load_s_per_rank": sorted(s for r in rs for s in r["load_s_per_rank"] if s is not None),
                              "ratio_ready_to_default": res["cases"][name]["ratio_to_baseline"],
                              "bytes_per_rank": rs[-1]["bytes_per_rank"],
                              "bytes_per_rank_fraction_of_checkpoint": [b / full for b in rs[-1]["bytes_per_rank"]],
@@ -96,14 +102,32 @@ def run_vllm(src: Path, work: Path, *, reps: int) -> dict[str, Any]:
     return res
 
 
+RESULT = Path(__file__).resolve().parent / "results" / "vllm.json"
+
+
+def save(result: dict[str, Any], *, reps: int, load_at_start: float) -> None:
+    """`result` with what was measured and when, as bench/results/vllm.json (one run's runs stripped of samples)."""
+    from bench.run import git_state, machine
+
+    for case in result["cases"].values():
+        for run in case["runs"]:
+            run.pop("samples", None)
+    meta = {"date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), "machine": machine(), "reps": reps,
+            "warmup": 1, "git": git_state(), "load_average": [round(load_at_start, 1), round(os.getloadavg()[0], 1)]}
+    RESULT.write_text(json.dumps({"meta": meta, **result}, indent=2, sort_keys=True, default=str) + "\n")
+
+
 if __name__ == "__main__":  # python -m bench.compare_vllm [REPS] (in .venv-vllm: ./run bench-vllm)
     from bench import data
 
+    load_at_start = os.getloadavg()[0]
+    reps = int(sys.argv[1]) if len(sys.argv) > 1 else 2
     ckpt = data.checkpoint("1gb")
-    result = run_vllm(ckpt, data.DATA / "work", reps=int(sys.argv[1]) if len(sys.argv) > 1 else 2)
+    result = run_vllm(ckpt, data.DATA / "work", reps=reps)
     for name, s in result["summary"].items():
         print(f"{name:<16} ready {s['median_ready_s']:7.1f} s  x{s['ratio_ready_to_default']:.2f} of default  "
               f"bytes/rank {', '.join(f'{b / 1e6:.0f} MB' for b in s['bytes_per_rank'])} "
               f"({', '.join(f'{f:.2f}' for f in s['bytes_per_rank_fraction_of_checkpoint'])} of the checkpoint)")
     print(f"tokens agree: {result['tokens_agree']}")
-    (data.DATA / "vllm-result.json").write_text(json.dumps(result, indent=2, default=str))
+    save(result, reps=reps, load_at_start=load_at_start)
+    print(f"results: {RESULT}")

@@ -5,10 +5,15 @@ config.json, the tokenizer and generation_config.json as in any downloaded model
 Sizes suit vLLM's CPU backend (its attention kernels take head_dim 32, not 16). The set covers what the
 issue asks for: llama; qwen2 with qkv bias, tied embeddings and a vocabulary that 64 x tp does not divide;
 two MoE architectures (Qwen2-MoE with its shared expert and qkv bias, Mixtral's w1/w2/w3 experts).
+
+`from_config` initializes every bias to zero and every norm to one, so a bias or norm put in the wrong place
+(another layer's, the k block's for the v block's) would load unnoticed; `make_model` draws them at random
+too, from the same seed, so every tensor of a checkpoint is its own.
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 from typing import Any
@@ -49,15 +54,35 @@ def make_model(out: Path, name: str, *, seed: int = 0) -> Path:
     config = AutoConfig.for_model(**spec)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _randomize_constants(model, seed)
     model.save_pretrained(out)
     make_tokenizer(out, spec["vocab_size"])
     return out
 
 
-def meta_only(ckpt: Path, out: Path) -> Path:
-    """A copy of the checkpoint's small files only (what `reshard pull --meta` gives a worker): no weights."""
-    out.mkdir(parents=True, exist_ok=True)
-    for p in ckpt.iterdir():
-        if not p.name.endswith(".safetensors") and p.name != "model.safetensors.index.json":
-            shutil.copy2(p, out / p.name)
+def _randomize_constants(model: torch.nn.Module, seed: int) -> None:
+    """Biases drawn from N(0, 0.5), norm weights from U(0.5, 1.5), in parameter order from `seed`."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+            elif "norm" in name.rsplit(".", 2)[-2]:
+                p.copy_(torch.rand(p.shape, generator=gen) + 0.5)
+
+
+# llm-compressor's W8A8 scheme (int8 weights per channel, int8 activations per token): vLLM's CPU backend
+# builds its layers (its FP8 schemes find no kernel there)
+W8A8 = {"quant_method": "compressed-tensors", "format": "int-quantized", "quantization_status": "compressed",
+        "ignore": ["lm_head"], "config_groups": {"group_0": {
+            "targets": ["Linear"],
+            "weights": {"num_bits": 8, "type": "int", "strategy": "channel", "symmetric": True, "dynamic": False},
+            "input_activations": {"num_bits": 8, "type": "int", "strategy": "token", "symmetric": True, "dynamic": True}}}}
+
+
+def quantized_model_dir(model_dir: Path, out: Path) -> Path:
+    """A copy of a `model=` directory (no weights) whose config.json says the checkpoint is W8A8 quantized."""
+    shutil.copytree(model_dir, out)
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "quantization_config": W8A8}, indent=2))
     return out

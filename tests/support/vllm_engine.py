@@ -4,11 +4,15 @@ its weights with vLLM's default loader in place, shut it down.
 The reference of every comparison is vLLM's own default load of the same checkpoint, in the same engine:
 `reload_default` runs vLLM's `reload_weights` in each worker (`collective_rpc`) with load_format
 "safetensors", which reads every tensor in full and narrows it by tp_rank, as a default start does.
-One engine start thus gives both loads (a start costs 20-45 s here, a reload well under one).
+One engine start thus gives both loads.
 
-The environment (`engine_env`) points vLLM's temporary, cache and RPC paths at a test directory, binds
-one OpenMP thread per rank, lets `collective_rpc` pickle the reload function and stops workers after 1 s
-(vLLM's CPU backend spawns its processes, each importing vLLM: a start costs 20-45 s here).
+A start is mostly processes and imports, so the tests keep them few (`engine_env`, `inspect_in_process`):
+vLLM's engine core runs in the test process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, as vLLM's own start-up
+benchmark runs it), so at tp=1 the one worker does too (vLLM's "uni" executor, its default at tp=1) and at
+tp=2 only the two workers are spawned (vLLM's CPU backend spawns them, each importing vLLM); vLLM's check
+of a model class runs here instead of in a fresh interpreter per architecture. The environment also
+points vLLM's temporary, cache and RPC paths at a test directory, binds one OpenMP thread per rank, lets
+`collective_rpc` pickle the reload function and stops workers after 1 s.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+# what every engine and every model the tests build has in common: float32, eager, a short context
+MODEL_ARGS: dict[str, Any] = {"dtype": "float32", "max_model_len": 128, "enforce_eager": True, "seed": 0}
 PROMPTS = [[5, 6, 7, 8], [100, 200, 300], [999, 3, 998, 17, 42]]
 MAX_TOKENS = 8
 LOGPROBS = 5
@@ -33,16 +39,24 @@ def engine_env(root: Path) -> dict[str, str]:
     cores = os.cpu_count() or 1
     return {"TMPDIR": str(root / "tmp"), "VLLM_CACHE_ROOT": str(root / "cache"), "VLLM_RPC_BASE_PATH": str(root / "rpc"),
             "VLLM_CPU_OMP_THREADS_BIND": "0|1" if cores >= 2 else "0", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1", "VLLM_LOGGING_LEVEL": "WARNING",
-            "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS": "1"}
+            "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+
+def inspect_in_process() -> None:
+    """vLLM's check of a model class (`_ModelInfo`) in this process: vLLM runs it in a fresh interpreter,
+    15-17 s per architecture here, only to keep CUDA uninitialized in the caller; the CPU backend has none."""
+    import vllm.model_executor.models.registry as registry
+
+    registry._run_in_subprocess = lambda fn: fn()  # noqa: SLF001
 
 
 @contextlib.contextmanager
 def engine(model_dir: Path, tp: int, **load: Any) -> Iterator[Any]:
-    """`vllm.LLM` for `model_dir` at `tp` (float32, eager, a small KV cache), shut down afterwards."""
+    """`vllm.LLM` for `model_dir` at `tp` (MODEL_ARGS, a 32 MiB KV cache), shut down afterwards."""
     from vllm import LLM
 
-    llm = LLM(model=str(model_dir), tensor_parallel_size=tp, dtype="float32", max_model_len=128, enforce_eager=True,
-              seed=0, gpu_memory_utilization=0.05, max_num_seqs=4, distributed_executor_backend="mp", **load)
+    llm = LLM(model=str(model_dir), tensor_parallel_size=tp, **MODEL_ARGS, kv_cache_memory_bytes=32 << 20,
+              max_num_seqs=4, distributed_executor_backend="uni" if tp == 1 else "mp", **load)
     try:
         yield llm
     finally:

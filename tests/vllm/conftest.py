@@ -1,32 +1,31 @@
 """Fixtures for the vLLM tests (run in the vLLM environment `./run test` sets up: `.venv-vllm`; the main
 environment has no vLLM and skips this folder, see tests/conftest.py).
 
-One root of transformers-made checkpoints (tests/support/vllm_ckpts.py), a real `reshard serve` on it,
-the `model=` directories a worker gets from `reshard pull --meta` (config and tokenizer, no weights),
-rank files `reshard write --engine vllm` made, and copies of each checkpoint with other random weights.
+One root of transformers-made checkpoints (tests/support/vllm_ckpts.py), a real `reshard serve` on it and
+a second one that asks for a bearer token, the `model=` directories a worker gets from `reshard pull
+--meta` (config and tokenizer, no weights), rank files `reshard write --engine vllm` made (both commands
+run in this process: a fresh interpreter costs seconds each), and copies of each checkpoint with other
+random weights. vLLM's engine core and its model checks run in this process (tests/support/vllm_engine.py).
 """
 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
+from reshard.cli import main
 from tests.support.live import LiveServer, live_server
 from tests.support.vllm_ckpts import MODELS, make_model
-from tests.support.vllm_engine import engine_env
+from tests.support.vllm_engine import engine_env, inspect_in_process
 
-# before vLLM is imported: its temporary, cache and RPC paths, thread binding
+# before vLLM is imported: its temporary, cache and RPC paths, thread binding, the engine core in process
 os.environ.update(engine_env(Path(tempfile.mkdtemp(prefix="reshard-vllm-"))))
-
-
-def reshard_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "reshard.cli", *args], capture_output=True, text=True, timeout=300)
+inspect_in_process()
+TOKEN = "vllm-tests-token"
 
 
 @pytest.fixture(scope="session")
@@ -46,6 +45,13 @@ def vserver(vroot: Path) -> Iterator[LiveServer]:
 
 
 @pytest.fixture(scope="session")
+def vserver_token(vroot: Path) -> Iterator[LiveServer]:
+    """`reshard serve --token TOKEN` on the same root."""
+    with live_server(vroot, token=TOKEN) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="session")
 def meta_dir(vserver: LiveServer, tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
     """`meta_dir(name)`: config, tokenizer and generation config pulled with `reshard pull --meta`, no weights."""
     base = tmp_path_factory.mktemp("meta")
@@ -53,8 +59,7 @@ def meta_dir(vserver: LiveServer, tmp_path_factory: pytest.TempPathFactory) -> C
     def get(name: str) -> Path:
         out = base / name
         if not out.exists():
-            done = reshard_cli("pull", vserver.ckpt_url(name), "--meta", "-o", str(out))
-            assert done.returncode == 0, done.stderr
+            assert main(["pull", vserver.ckpt_url(name), "--meta", "-o", str(out)]) == 0
         return out
 
     return get
@@ -69,8 +74,7 @@ def vwritten(vroot: Path, tmp_path_factory: pytest.TempPathFactory) -> Callable[
         out = base / f"{name}-tp{tp}-{engine}"
         if not out.exists():
             extra = ["--engine", engine] if engine else []
-            done = reshard_cli("write", str(vroot / name), "--tp", str(tp), "-o", str(out), "--no-progress", *extra)
-            assert done.returncode == 0, done.stderr
+            assert main(["write", str(vroot / name), "--tp", str(tp), "-o", str(out), "--no-progress", *extra]) == 0
         return out
 
     return get
