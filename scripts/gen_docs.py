@@ -269,6 +269,14 @@ def gen_bench_s3_write() -> str:
     return _results_md("s3_write.md")
 
 
+def gen_bench_store_serve() -> str:
+    return _results_md("store_serve.md")
+
+
+def gen_bench_direct() -> str:
+    return _results_md("direct_reads.md")
+
+
 def _fill_meta(data: dict[str, Any], name: str) -> str:
     meta = data["meta"]
     return (f"`{meta['command']}` (`bench/results/{name}`, {meta['date']}, commit {meta['git']['commit']}): medians of "
@@ -393,6 +401,8 @@ GENERATORS: dict[str, Callable[[], str]] = {
     "bench-targets": gen_bench_targets,
     "bench-stores": gen_bench_stores,
     "bench-s3-write": gen_bench_s3_write,
+    "bench-store-serve": gen_bench_store_serve,
+    "bench-direct": gen_bench_direct,
     "bench-fill": gen_bench_fill,
     "bench-link": gen_bench_link,
     "trainer-support": gen_trainer_support,

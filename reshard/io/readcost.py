@@ -30,8 +30,10 @@ import time
 from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from reshard.settings import LibrarySettings, library_settings
+if TYPE_CHECKING:
+    from reshard.settings import LibrarySettings
 
 PART_HEADER = 100  # bytes of headers per part of a multipart/byteranges answer
 SMALL, LARGE = 256 << 10, 1 << 20  # requests up to SMALL show the cost per request, from LARGE the bandwidth
@@ -112,6 +114,8 @@ class Costs:
 
     def price(self, settings: LibrarySettings | None = None) -> Price:
         """The figures now: the ones set (`settings`, else the environment's), else measured, else the defaults."""
+        from reshard.settings import library_settings  # pydantic-settings only where a store is priced
+
         s = settings or library_settings()
         with self._lock:
             m = self._measured()

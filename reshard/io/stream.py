@@ -16,12 +16,15 @@ import functools
 from collections import deque
 from collections.abc import Iterator
 from types import TracebackType
+from typing import TYPE_CHECKING
 
 from reshard.io.blocks import CachedObject, Source
-from reshard.io.prefetch import Prefetcher
 from reshard.io.readers import Reader, RemoteReader, open_reader
 from reshard.plan.reads import SCRATCH, Interleave, Segment, piece_reads, runs_array
 from reshard.plan.types import RankPlan
+
+if TYPE_CHECKING:
+    from reshard.io.prefetch import Prefetcher
 
 CHUNK = 8 << 20
 
@@ -61,7 +64,11 @@ class RankStream:
             self.close()
             raise
         remote = {p: r for p, r in self._readers.items() if isinstance(r, RemoteReader)}
-        self._prefetch = Prefetcher(starts, pieces, self.size, remote) if remote else None
+        self._prefetch: Prefetcher | None = None
+        if remote:  # only a store's stream fetches ahead (and reads the store settings)
+            from reshard.io.prefetch import Prefetcher
+
+            self._prefetch = Prefetcher(starts, pieces, self.size, remote)
 
     def __enter__(self) -> RankStream:
         return self
