@@ -106,7 +106,7 @@ def run_write(ckpts: dict[str, Path], work: Path, *, full: bool, reps: int) -> l
     work.mkdir(parents=True, exist_ok=True)
     results = []
     src = ckpts["1gb"]
-    cases = write_cases(src, work, 4, cp_sync=full)
+    cases = write_cases(src, work, 4, cp_sync=True)  # cp -r && sync: issue 23's literal baseline, every mode
     cases.append(startup_case())
     res = interleave("write 1gb tp4", cases, reps=reps, baseline="cp -r")
     res.update(checkpoint="1gb", checkpoint_bytes=weight_bytes(src), tp=4)
