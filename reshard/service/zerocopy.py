@@ -72,6 +72,13 @@ def _sendfile_closing(sock: int, fd: int, offset: int, count: int) -> int:
         os.close(fd)
 
 
+def _retrieved(fut: asyncio.Future[int]) -> None:
+    """Mark a shielded sendfile's outcome as seen: when its stream was cancelled (the client left),
+    nobody awaits it, and its BrokenPipeError would be logged as a traceback at garbage collection."""
+    if not fut.cancelled():
+        fut.exception()
+
+
 def _wake(ready: asyncio.Future[None]) -> None:
     if not ready.done():  # a writable callback may fire again before it is removed
         ready.set_result(None)
@@ -88,8 +95,9 @@ async def send_range(sock: int, fd: int, offset: int, count: int) -> int:
             if cached(fd, offset + sent + n - 1):
                 n = os.sendfile(sock, fd, offset + sent, n)
             else:
-                n = await asyncio.shield(loop.run_in_executor(
-                    _COLD, _sendfile_closing, os.dup(sock), os.dup(fd), offset + sent, n))
+                cold = loop.run_in_executor(_COLD, _sendfile_closing, os.dup(sock), os.dup(fd), offset + sent, n)
+                cold.add_done_callback(_retrieved)
+                n = await asyncio.shield(cold)
         except BlockingIOError:  # the socket is full: wait for room
             ready = loop.create_future()
             loop.add_writer(sock, _wake, ready)

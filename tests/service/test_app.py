@@ -83,7 +83,9 @@ def test_bad_input_is_4xx_json(client: TestClient) -> None:
     _error(client.get("/nope"), 404, "NotFound")
     _error(client.delete("/v1/checkpoints/tiny"), 405, "MethodNotAllowed")
     _error(client.get("/v1/checkpoints/missing"), 404, "NotFoundError")
-    _error(client.get("/v1/checkpoints/tiny/plan"), 422, "ValidationError")
+    assert client.get("/v1/checkpoints/tiny/plan").json() == client.get("/v1/checkpoints/tiny/plan",
+                                                                         params={"tp": 1}).json()  # tp defaults to 1
+    _error(client.get("/v1/checkpoints/tiny/plan", params={"pp": 0}), 422, "ValidationError")
     _error(client.get("/v1/checkpoints/tiny/plan", params={"tp": "two"}), 422, "ValidationError")
     _error(client.get("/v1/checkpoints/tiny/plan", params={"tp": 0}), 422, "ValidationError")
     _error(client.get("/v1/checkpoints/tiny/plan", params={"tp": 3}), 422, "PlanError")

@@ -197,3 +197,53 @@ def test_full_cache_of_a_store_root_names_no_server_path(ext4: Mount, tmp_path: 
         ext4.unfill()
         shutil.rmtree(cache, ignore_errors=True)
         ext4.clean()
+
+
+# --- a cold sendfile whose client left ------------------------------------------------------------
+
+@pytest.mark.pure
+def test_a_cancelled_cold_sendfile_logs_no_traceback(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stream cancelled (its client gone) while a sendfile of uncached bytes runs in a thread: the
+    thread's BrokenPipeError must not reach asyncio's 'Future exception was never retrieved' log."""
+    import asyncio
+    import gc
+    import socket
+    import threading
+
+    from reshard.service import zerocopy
+
+    data = tmp_path / "blob"
+    data.write_bytes(os.urandom(1 << 20))
+    started, release = threading.Event(), threading.Event()
+    real = zerocopy._sendfile_closing
+
+    def slow(sock: int, fd: int, offset: int, count: int) -> int:
+        started.set()
+        release.wait(10)
+        return real(sock, fd, offset, count)  # the peer is gone by now: BrokenPipeError
+
+    monkeypatch.setattr(zerocopy, "cached", lambda fd, offset: False)  # as if the page cache were cold
+    monkeypatch.setattr(zerocopy, "_sendfile_closing", slow)
+    logged: list[dict[str, Any]] = []
+
+    async def main() -> None:
+        asyncio.get_running_loop().set_exception_handler(lambda loop, ctx: logged.append(ctx))
+        a, b = socket.socketpair()
+        a.setblocking(False)
+        fd = os.open(data, os.O_RDONLY)
+        task = asyncio.ensure_future(zerocopy.send_range(a.fileno(), fd, 0, 1 << 20))
+        await asyncio.get_running_loop().run_in_executor(None, started.wait, 10)
+        b.close()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        release.set()
+        await asyncio.sleep(0.5)  # the thread's sendfile fails and its future completes
+        a.close()
+        os.close(fd)
+        gc.collect()
+        await asyncio.sleep(0)
+
+    asyncio.run(main())
+    gc.collect()
+    assert not [c for c in logged if "never retrieved" in str(c.get("message", ""))], logged
