@@ -112,10 +112,14 @@ def test_block_files_held_open_within_bounds(big: Path, web: Any, tmp_path: Path
                         out[pos : pos + n] = os.pread(src[0], n, src[1])
                         stream.done(pos + n)
                     held = [r.blocks for r in stream._readers.values() if r.blocks is not None]  # type: ignore[union-attr]
-                    assert all(sum(b.pins == 0 for b in o._open.values()) <= OPEN for o in held)
+                    opened = []
+                    for o in held:  # as the object sees them: the fetch pool lands blocks meanwhile
+                        with o._lock:
+                            opened.append(list(o._open.values()))
+                    assert all(sum(b.pins == 0 for b in blocks) <= OPEN for blocks in opened)
                     # each open block a descriptor, a mapped one two (mmap keeps its own), and those landing
                     assert _open_blocks(tmp_path / "cache") <= 2 * len(held) * (OPEN + 1) + 16
-                    assert sum(b.pins for o in held for b in o._open.values()) <= 1  # done() unpinned each (one: the next)
+                    assert sum(b.pins for blocks in opened for b in blocks) <= 1  # done() unpinned each (one: the next)
                 assert bytes(out) == want
             assert _open_blocks(tmp_path / "cache") == 0
         assert cache.hits > 0 and cache.fetched >= sum(p.stat().st_size for p in big.glob("*.safetensors"))
