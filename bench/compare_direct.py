@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import shutil
 import subprocess
@@ -35,6 +34,7 @@ from bench import data
 from bench.compare_write import reshard_bin
 from bench.interleave import Case, interleave
 from bench.measure import Result, median
+from bench.report import targets_table, write_md_json
 from bench.servers import ensure_nginx, free_port, server
 from bench.stores import http_server, s3_server
 
@@ -188,9 +188,7 @@ def markdown(res: dict[str, Any], reps: int) -> str:
     lines.append(f"| s3, slices (once) | {'' if s['done'] else '> '}{s['s']:.0f} | {s['store_bytes'] / 2**20:.1f} | "
                  f"{s['store_bytes'] / shard:.2f}{'' if s['done'] else ' so far'} | {s['requests']}"
                  f"{'' if s['done'] else ' so far'} | {'yes' if s['same'] else '-' if not s['done'] else '**no**'} |")
-    lines += ["", "| target | value | goal | met |", "|---|---|---|---|"]
-    for t in direct_targets(res):
-        lines.append(f"| {t['target']} | {t['value']} | {t['goal']} | {'yes' if t['met'] else '**no**'} |")
+    lines += ["", *targets_table(direct_targets(res))]
     return "\n".join(lines) + "\n"
 
 
@@ -207,10 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         res = run(args.reps, args.tp, args.rank, work, args.slices_s3_timeout)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    text = markdown(res, args.reps)
-    args.out.write_text(text)
-    args.out.with_suffix(".json").write_text(json.dumps(res, indent=2, sort_keys=True, default=str) + "\n")
-    print(text)
+    write_md_json(args.out, markdown(res, args.reps), res)
     return 0
 
 

@@ -33,6 +33,7 @@ from typing import Any
 from bench import data
 from bench.interleave import Case, interleave
 from bench.measure import Result, median
+from bench.report import targets_table, write_md_json
 from bench.servers import free_port, reshard_serve_argv, server
 from bench.stores import StoreServer, http_server
 
@@ -132,9 +133,7 @@ def markdown(res: dict[str, Any], reps: int) -> str:
     for name, c in res["cases"].items():
         lines.append(f"| {name} | {c['median_s']:.2f} | {c['ratio_to_baseline']:.2f} | "
                      f"{c['median_store_bytes'] / 2**20:.0f} | {c['median_store_bytes'] / full:.2f} |")
-    lines += ["", "| target | value | goal | met |", "|---|---|---|---|"]
-    for t in store_serve_targets(res):
-        lines.append(f"| {t['target']} | {t['value']} | {t['goal']} | {'yes' if t['met'] else '**no**'} |")
+    lines += ["", *targets_table(store_serve_targets(res))]
     return "\n".join(lines) + "\n"
 
 
@@ -150,10 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         res = run(args.reps, args.tp, work, plain=not args.no_plain)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    text = markdown(res, args.reps)
-    args.out.write_text(text)
-    args.out.with_suffix(".json").write_text(json.dumps(res, indent=2, sort_keys=True, default=str) + "\n")
-    print(text)
+    write_md_json(args.out, markdown(res, args.reps), res)
     print(json.dumps({n: [r["wall_s"] for r in c["runs"]] for n, c in res["cases"].items()}), file=sys.stderr)
     return 0
 

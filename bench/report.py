@@ -77,11 +77,24 @@ def markdown(results: dict[str, Any]) -> str:
                       f"{b['from_pretrained_mapped_per_rank'] / 1e6:.1f} MB checkpoint each `from_pretrained` rank maps. "
                       f"Logits agree: {comp['logits_agree']}."]
     if results.get("targets"):
-        lines += ["", "| target | value | goal | met |", "|---|---|---|---|"]
-        for t in results["targets"]:
-            met = "-" if t["goal"] == "-" else {True: "yes", False: "**no**", None: "not measured"}[t["met"]]
-            lines.append(f"| {t['target']} | {t['value']} | {t['goal']} | {met} |")
+        lines += ["", *targets_table(results["targets"])]
     return "\n".join(lines) + "\n"
+
+
+def targets_table(targets: list[dict[str, Any]]) -> list[str]:
+    """The markdown lines of a targets table (bench.targets' rows)."""
+    lines = ["| target | value | goal | met |", "|---|---|---|---|"]
+    for t in targets:
+        met = "-" if t["goal"] == "-" else {True: "yes", False: "**no**", None: "not measured"}[t["met"]]
+        lines.append(f"| {t['target']} | {t['value']} | {t['goal']} | {met} |")
+    return lines
+
+
+def write_md_json(out: Path, text: str, results: dict[str, Any]) -> None:
+    """A standalone comparison's results: `out` (markdown, also printed) and the JSON beside it."""
+    out.write_text(text)
+    out.with_suffix(".json").write_text(json.dumps(results, indent=2, sort_keys=True, default=str) + "\n")
+    print(text)
 
 
 def chart(results: dict[str, Any], path: Path) -> None:

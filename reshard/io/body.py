@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import urlencode
 
 from reshard.errors import IntegrityError, ReshardError, SourceChangedError
+from reshard.io.pread import pread_full
 from reshard.io.wire import SHA_HEADER, as_world, auth_headers, checkpoint_url, connect, layout_params
 from reshard.layout.mesh import Layout
 
@@ -74,13 +75,10 @@ class FileBody:
         self.size = os.fstat(self.fd).st_size
 
     def readinto(self, view: memoryview) -> None:
-        got = 0
-        while got < len(view):
-            n = os.preadv(self.fd, [view[got:]], self.pos + got)
-            if n <= 0:
-                raise IntegrityError(f"{self.name}: ended at byte {self.pos + got}, inside its data; "
-                                     "the file is truncated: write it again")
-            got += n
+        got = pread_full(self.fd, view, self.pos)
+        if got < len(view):
+            raise IntegrityError(f"{self.name}: ended at byte {self.pos + got}, inside its data; "
+                                 "the file is truncated: write it again")
         self.pos += got
 
     def expected_sha256(self) -> str | None:

@@ -17,6 +17,7 @@ from reshard.errors import SourceChangedError
 from reshard.io import store_cache
 from reshard.io.blocks import CachedObject
 from reshard.io.mapped import MAPS
+from reshard.io.pread import pread_full
 from reshard.io.stores import is_url, store_for
 
 if TYPE_CHECKING:
@@ -65,12 +66,9 @@ class LocalReader:
 
     def pread(self, dst: memoryview, offset: int) -> None:
         assert self.fd is not None
-        got = 0
-        while got < len(dst):
-            n = os.preadv(self.fd, [dst[got:]], offset + got)
-            if n <= 0:
-                raise SourceChangedError(f"{self.path}: ended at byte {offset + got}, before the planned data; re-plan")
-            got += n
+        got = pread_full(self.fd, dst, offset)
+        if got < len(dst):
+            raise SourceChangedError(f"{self.path}: ended at byte {offset + got}, before the planned data; re-plan")
 
     def pread_runs(self, dst: memoryview, offset: int, run: int, stride: int, count: int) -> None:
         self.pread(dst, offset)  # one read of the span: the page cache makes the gaps cheap

@@ -41,6 +41,7 @@ from pathlib import Path
 
 from reshard.io.outfs import delete_oldest, flocked
 from reshard.io.owners import TAG, owner_gone, owner_tag
+from reshard.io.pread import pread_full
 
 log = logging.getLogger("reshard.io")
 
@@ -73,12 +74,9 @@ class Block:
         if self.fd is None or self._data is not None:
             dst[:] = self.view()[at : at + len(dst)]
             return
-        got = 0
-        while got < len(dst):
-            n = os.preadv(self.fd, [dst[got:]], at + got)
-            if n <= 0:
-                raise OSError(f"block file ended at byte {at + got} of {self.size}")
-            got += n
+        got = pread_full(self.fd, dst, at)
+        if got < len(dst):
+            raise OSError(f"block file ended at byte {at + got} of {self.size}")
 
     def close(self) -> None:
         """Close its file (a mapping goes with the last view of it)."""
