@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import CancelledError, Future
 from typing import TYPE_CHECKING, Any
 
-from reshard.io.store_cache import Block, StoreCache
+from reshard.io.store_cache import Block, Fetch, StoreCache
 from reshard.plan.reads import runs_array
 
 if TYPE_CHECKING:
@@ -47,7 +47,7 @@ Source = tuple[int, int] | Callable[[], "tuple[int, int] | None"]  # (fd, offset
 class CachedObject:
     """One object of one stream, read from the cache's blocks (see the module docstring)."""
 
-    def __init__(self, cache: StoreCache, fetch: Callable[[int, int], memoryview], url: str, version: str,
+    def __init__(self, cache: StoreCache, fetch: Fetch, url: str, version: str,
                  size: int) -> None:
         self.cache, self.fetch, self.url, self.version, self.size = cache, fetch, url, version, size
         self.block = cache.block

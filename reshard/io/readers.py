@@ -10,7 +10,7 @@ for anything it did not. Each GET names the planned ETag: a replaced object fail
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from reshard.errors import SourceChangedError
@@ -102,7 +102,7 @@ class RemoteReader:
         self.prefetcher: Prefetcher | None = None
         self.multi: MultiRangeClient | None = None  # set by the Prefetcher where the server answers several ranges
         cache = store_cache.current()
-        self.blocks = CachedObject(cache, self._get, path, self.version, self.size) if cache is not None else None
+        self.blocks = CachedObject(cache, self._pieces, path, self.version, self.size) if cache is not None else None
 
     def fetch_ranges(self, ranges: list[tuple[int, int]], dests: list[memoryview] | None = None) -> list[memoryview]:
         """Bytes [a, b) for each (a, b) of `ranges` (copied into `dests` where given, and then returned
@@ -140,6 +140,10 @@ class RemoteReader:
         if len(data) != end - start:
             raise SourceChangedError(f"{self.path}: {len(data)} bytes at {start}, planned {end - start}; re-plan")
         return data
+
+    def _pieces(self, start: int, end: int) -> Iterator[memoryview]:
+        """`_get`'s bytes as they arrive (for the store cache, which writes them to a block file)."""
+        return self.store.get_chunks(self.key, start, end, version=self.version)
 
     def pread(self, dst: memoryview, offset: int) -> None:
         if self.blocks is not None:

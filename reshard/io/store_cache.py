@@ -36,15 +36,18 @@ import mmap
 import os
 import re
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
+from reshard.errors import SourceChangedError
 from reshard.io.outfs import delete_oldest, flocked
 from reshard.io.owners import TAG, owner_gone, owner_tag
 from reshard.io.pread import pread_full
 
 log = logging.getLogger("reshard.io")
 
+Fetch = Callable[[int, int], Iterable[memoryview]]  # bytes [lo, hi) of the object, in pieces as they arrive
 BLOCK = 8 << 20  # bytes per cached block: one GET each
 _SWEEP_EVERY = 64 << 20  # bytes written between two looks at the cache's size
 _STALE = 3600.0  # seconds: a temporary block file without its writer's tag (an older version's) this old is left
@@ -103,6 +106,15 @@ def _opened(path: Path, size: int, *, hit: bool = True) -> Block | None:
     return Block(fd, size, hit=hit)
 
 
+def _discard(f: Any, tmp: Path) -> None:
+    """Close (if open) and remove a temporary block file."""
+    with contextlib.suppress(OSError):
+        if f is not None:
+            f.close()
+    with contextlib.suppress(OSError):
+        os.unlink(tmp)
+
+
 class StoreCache:
     """The blocks in one directory (see the module docstring)."""
 
@@ -116,10 +128,9 @@ class StoreCache:
         self._estimate = 0  # bytes of blocks: the last sweep's count plus what this process stored since
         self._warned = False
 
-    def read(self, fetch: Callable[[int, int], memoryview], url: str, version: str, size: int, start: int,
-             end: int) -> memoryview:
+    def read(self, fetch: Fetch, url: str, version: str, size: int, start: int, end: int) -> memoryview:
         """Bytes [start, end) of the object `url` at `version` (`size` bytes), from cached blocks, each
-        missing block fetched once with `fetch(lo, hi)` (a conditional GET of bytes [lo, hi))."""
+        missing block fetched once with `fetch(lo, hi)` (a conditional GET of bytes [lo, hi), in pieces)."""
         out = memoryview(bytearray(end - start))
         for k in range(start // self.block, (end - 1) // self.block + 1):
             lo = k * self.block
@@ -133,10 +144,10 @@ class StoreCache:
                 self.hit(b - a)
         return out
 
-    def open_block(self, fetch: Callable[[int, int], memoryview], url: str, version: str, size: int,
-                   k: int) -> Block:
+    def open_block(self, fetch: Fetch, url: str, version: str, size: int, k: int) -> Block:
         """Block k of the object `url` at `version` (`size` bytes), open: from the cache, else fetched
-        once with `fetch(lo, hi)` under the block's lock and stored (in memory where it cannot be)."""
+        once with `fetch(lo, hi)` under the block's lock and stored as it arrives (kept in memory where
+        it cannot be stored)."""
         where = self.dir / hashlib.sha256(f"{url}\0{version}".encode()).hexdigest()[:32]
         path, lo = where / str(k), k * self.block
         n = min(lo + self.block, size) - lo
@@ -147,11 +158,9 @@ class StoreCache:
             blk = _opened(path, n)  # another pull fetched it while this one waited
             if blk is not None:
                 return blk
-            data = fetch(lo, lo + n)
-            self._count("fetched", len(data))
-            self._store(where, path, data)
-            blk = _opened(path, n, hit=False)
-        return blk if blk is not None else Block(None, n, data=data)
+            blk = self._store(where, path, fetch(lo, lo + n), n, url)
+            self._count("fetched", n)
+        return blk
 
     def hit(self, n: int) -> None:
         """`n` bytes were read from blocks that were in the cache already."""
@@ -168,20 +177,49 @@ class StoreCache:
                 self._failed(OSError(f"cannot lock blocks in {where}"))
             yield
 
-    def _store(self, where: Path, path: Path, data: memoryview) -> None:
+    def _store(self, where: Path, path: Path, pieces: Iterable[memoryview], n: int, url: str) -> Block:
+        """Write the `n` bytes of a block to its file as they arrive, under a temporary name renamed in
+        whole; the block, open (its file, which a sweep may delete at once; else, where the disk refused
+        it, its bytes in memory)."""
         tmp = where / f".{path.name}.{owner_tag()}.{threading.get_ident()}"
+        got: list[memoryview] = []  # the pieces, for the in-memory block if the file fails
+        failed: OSError | None = None
         try:
-            with open(tmp, "wb") as f:
-                f.write(data)
-            os.rename(tmp, path)
+            f = open(tmp, "wb")  # noqa: SIM115  (closed below, or where it fails)
         except OSError as e:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            self._failed(e)
-            return
+            f, failed = None, e
+        try:
+            for piece in pieces:
+                got.append(piece)
+                if f is not None:
+                    try:
+                        f.write(piece)
+                    except OSError as e:  # the rest still arrives: this pull uses it from memory
+                        failed = e
+                        _discard(f, tmp)
+                        f = None
+            if (total := sum(len(p) for p in got)) != n:
+                raise SourceChangedError(f"{url}: block {path.name} came with {total} bytes, planned {n}; re-plan")
+            if f is not None:
+                f.close()
+                f = None
+                fd = os.open(tmp, os.O_RDONLY | os.O_CLOEXEC)
+                try:
+                    os.rename(tmp, path)
+                except OSError:
+                    os.close(fd)
+                    raise
+        except OSError as e:
+            failed = e
+        finally:
+            if f is not None or failed is not None:
+                _discard(f, tmp)
+        if failed is not None:
+            self._failed(failed)
+            return Block(None, n, data=memoryview(b"".join(got)))
         with self._lock:  # over the size as this process knows it, or time to count the other workers' blocks
-            self._since_sweep += len(data)
-            self._estimate += len(data)
+            self._since_sweep += n
+            self._estimate += n
             sweep = self._estimate > self.max_bytes or self._since_sweep >= _SWEEP_EVERY
             if sweep:
                 self._since_sweep = 0
@@ -189,6 +227,7 @@ class StoreCache:
             left = self.evict()
             with self._lock:
                 self._estimate = left
+        return Block(fd, n, hit=False)
 
     def evict(self) -> int:
         """Delete the temporary block files whose writer is gone, then the least recently used blocks

@@ -19,10 +19,17 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from reshard.errors import CheckpointError, SourceChangedError, StoreError, StoreUnavailableError
+from reshard.errors import (
+    CheckpointError,
+    ReshardError,
+    SourceChangedError,
+    StoreError,
+    StoreUnavailableError,
+)
 from reshard.io.readcost import costs_for
 
 URL_RE = re.compile(r"^(s3|gs|hf|https?)://", re.I)
+CHUNK = 1 << 20  # bytes per piece of a streamed body (`Store.get_chunks`)
 SECRET_VARS = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ACCESS_KEY_ID", "GOOGLE_SERVICE_ACCOUNT_KEY",
                "HF_TOKEN")
 _CONFIG_VARS = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_REGION", "AWS_DEFAULT_REGION", "AWS_PROFILE",
@@ -83,24 +90,49 @@ class Store:
     def get(self, key: str, start: int, end: int, *, version: str | None = None) -> tuple[memoryview, dict[str, Any]]:
         """Bytes [start, end) of object `key` (fewer at its end) and its metadata; with `version`,
         an object that is no longer that version raises `SourceChangedError`."""
+        try:
+            with self.costs.timed() as got:  # what requests cost, for choosing how to read (reshard.io.readcost)
+                result = self._request(key, start, end, version)
+                data = _collect(result)
+                got.append(len(data))
+        except Exception as e:
+            raise self.error(e, key) from None
+        count_fetched(len(data))
+        self._check_version(result.meta, key, version)
+        return data, result.meta
+
+    def get_chunks(self, key: str, start: int, end: int, *, version: str | None = None) -> Iterator[memoryview]:
+        """`get`'s bytes as they arrive, in pieces of about `CHUNK` bytes (the version checked before the
+        first): for a body that goes on to a file."""
+        n = 0
+        try:
+            with self.costs.timed() as got:
+                result = self._request(key, start, end, version)
+                self._check_version(result.meta, key, version)
+                for piece in result.stream(min_chunk_size=CHUNK):
+                    view = memoryview(piece)
+                    n += len(view)
+                    count_fetched(len(view))
+                    yield view
+                got.append(n)
+        except ReshardError:
+            raise
+        except Exception as e:
+            raise self.error(e, key) from None
+
+    def _request(self, key: str, start: int, end: int, version: str | None) -> Any:
+        """The GET of bytes [start, end) of `key`, conditional on `version` (its body not read yet)."""
         import obstore
 
         options: dict[str, Any] = {"range": (start, end)}
         if version is not None and not version.startswith("mtime:"):
             options["if_match"] = version
-        try:
-            with self.costs.timed() as got:  # what requests cost, for choosing how to read (reshard.io.readcost)
-                result = obstore.get(self._store, key, options=options)
-                meta = result.meta
-                data = memoryview(result.bytes())
-                got.append(len(data))
-        except Exception as e:
-            raise self.error(e, key) from None
-        count_fetched(len(data))
+        return obstore.get(self._store, key, options=options)
+
+    def _check_version(self, meta: dict[str, Any], key: str, version: str | None) -> None:
         if version is not None and (now := object_version(meta, where=self.url(key))) != version:
             raise SourceChangedError(f"{self.url(key)}: replaced while being read (ETag {now}, "
                                      f"planned {version}); re-plan and retry")
-        return data, meta
 
     def read_all(self, key: str) -> bytes | None:
         """The whole object, or None where it does not exist."""
@@ -195,6 +227,19 @@ class Store:
             return StoreUnavailableError(f"{where}: cannot reach {self.endpoint or self.root} after retries "
                                          f"({_cause(full) or text})")
         return StoreError(f"{where}: {text}")
+
+
+def _collect(result: Any) -> memoryview:
+    """A GET's body, copied piece by piece (`CHUNK` bytes) into one buffer of its length. Copying out
+    of obstore's own buffer of a large body (`bytes()`) costs two to three times the CPU: measured on
+    8 MiB blocks, 1.5-2.3 CPU-seconds per GB against 0.8-0.9 for the pieces (fresh pages each time)."""
+    lo, hi = result.range
+    out, n = memoryview(bytearray(hi - lo)), 0
+    for piece in result.stream(min_chunk_size=CHUNK):
+        k = len(piece)
+        out[n : n + k] = piece
+        n += k
+    return out[:n]
 
 
 def _code(text: str) -> str | None:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import errno
 import os
+import resource
+import signal
 import threading
 from pathlib import Path
 from typing import Any
@@ -15,7 +17,7 @@ import httpx
 import pytest
 
 from reshard.cli import main
-from reshard.io import store_cache
+from reshard.io import store_cache, stores
 from reshard.io.blocks import OPEN
 from reshard.io.sources import open_source
 from reshard.io.stream import RankStream
@@ -139,9 +141,12 @@ def _open_blocks(cache: Path) -> int:
     return sum(link.startswith(where) and os.path.basename(link).isdigit() for link in links)
 
 
-def test_a_block_that_cannot_be_kept_is_served_from_memory(big: Path, web: Any, tmp_path: Path,
+@pytest.mark.parametrize("fails", ["rename", "write"])
+def test_a_block_that_cannot_be_kept_is_served_from_memory(big: Path, web: Any, tmp_path: Path, fails: str,
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    """A full disk: no block file is written, each pull reads the bytes it fetched, all the same."""
+    """A full disk: no block file is written, each pull reads the bytes it fetched, all the same. `rename`:
+    the finished block cannot be put in place; `write`: the file stops growing part-way through a
+    block (a file size limit: the kernel answers EFBIG), while its bytes still arrive."""
     want = _local(big, 2, tmp_path / "tp2")[0]
     monkeypatch.setattr(store_cache, "_CACHE", None)
     cache = store_cache.enable(tmp_path / "cache", 1 << 30, block=256 << 10)
@@ -150,7 +155,13 @@ def test_a_block_that_cannot_be_kept_is_served_from_memory(big: Path, web: Any, 
     def full(*_: Any) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(store_cache.os, "rename", full)
+    if fails == "rename":
+        monkeypatch.setattr(store_cache.os, "rename", full)
+    else:
+        monkeypatch.setattr(stores, "CHUNK", 32 << 10)  # blocks arrive in pieces: the file fails after the third
+        limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+        old = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (100 << 10, limit[1]))
     try:
         remote, manifest = open_source(f"{web.url}/files/big/")
         rp = make_plan(remote, manifest, 2).ranks[0]
@@ -160,7 +171,13 @@ def test_a_block_that_cannot_be_kept_is_served_from_memory(big: Path, web: Any, 
                 got = src() if callable(src) else src
                 assert got is None  # nothing on disk to send from
                 stream.read_into(pos, memoryview(out)[pos : pos + n])
-        assert bytes(out) == want
-        assert not [p for p in (tmp_path / "cache").glob("*/*") if p.name.isdigit()]
     finally:
+        if fails == "write":
+            resource.setrlimit(resource.RLIMIT_FSIZE, limit)
+            signal.signal(signal.SIGXFSZ, old)
         store_cache.disable()
+    assert bytes(out) == want
+    left = list((tmp_path / "cache").glob("*/*"))
+    assert not [p for p in left if p.name.startswith(".")]  # no temporary block file stays behind
+    kept = [p.stat().st_size for p in left if p.name.isdigit()]  # only a block under the limit (the last) is kept
+    assert kept == [] if fails == "rename" else all(n < 100 << 10 for n in kept) and len(kept) <= 1
