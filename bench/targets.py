@@ -153,7 +153,7 @@ def direct_targets(res: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
-FILL_GOALS = (("launch + fill (service)", 0.8), ("launch + fill (rank files)", 0.6),
+FILL_GOALS = (("launch + fill (service)", 0.8), ("launch --prefetch + fill (service)", 0.8), ("launch + fill (rank files)", 0.6),
               ("torchrun + fill (service)", 0.8), ("torchrun + fill (rank files)", 0.6))
 RSS_SLACK_MIB = 64
 

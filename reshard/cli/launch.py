@@ -25,8 +25,8 @@ transformers' first build), no tensor op runs. Before those imports, `--prefetch
 fetcher per rank that pulls the rank's shard of tp=WORLD_SIZE from the service into shared memory
 while the launcher imports; the rank's `fill_model(model, URL)` (or the trainer's `--shards URL`) then
 maps it (`reshard.io.shard_prefetch`): the transfer overlaps the imports. That pays where the network is
-the bottleneck (bench/compare_link.py); where the transfer is CPU-bound (loopback, few cores) it
-competes with the imports for the same cores.
+the bottleneck (bench/compare_link.py), and on few cores too: the imports run on one thread, and the
+fetchers, at the lowest CPU priority, take the cores they leave idle.
 
 Fork-safety, the constraints the launcher keeps and a script run under it must too:
 - No CUDA before the fork: the launcher refuses to fork once CUDA is initialized. Each rank picks its

@@ -95,3 +95,28 @@ def test_signals_reach_every_rank(tmp_path: Path, sig: int) -> None:
         time.sleep(0.05)
     assert all(_gone(p) for p in pids)
     assert [(tmp_path / f"sigint-{r}").exists() for r in range(2)] == [sig == signal.SIGINT] * 2
+
+
+def test_a_prefetch_fetcher_runs_at_the_lowest_cpu_priority() -> None:
+    """`--prefetch`'s fetchers take only the CPU the launcher's imports leave: nice 19, the hash thread
+    too. The fetcher here waits on a server that accepts and never answers; its niceness is read from
+    /proc, then it is stopped."""
+    import socket
+
+    from reshard.io import shard_prefetch
+
+    with socket.socket() as srv:
+        srv.bind(("127.0.0.1", 0))
+        srv.listen()
+        url = f"http://127.0.0.1:{srv.getsockname()[1]}/v1/checkpoints/llama"
+        got = shard_prefetch.start(url, 0, 2)
+        try:
+            conn, _ = srv.accept()  # the fetcher is asking: its priority is set by now
+            with conn:
+                fields = Path(f"/proc/{got['pid']}/stat").read_text().rsplit(")", 1)[1].split()
+                assert int(fields[16]) == shard_prefetch.NICE == 19  # field 19 of stat: nice
+        finally:
+            os.kill(got["pid"], signal.SIGKILL)
+            os.waitpid(got["pid"], 0)
+            os.close(got["fd"])
+            os.close(got["status"])
