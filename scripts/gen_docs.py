@@ -339,6 +339,34 @@ def gen_bench_link() -> str:
         ["---", "---:", "---:", "---:", "---:"])])
 
 
+VLLM_CASES = {"default": "default loader", "reshard_url": "reshard, from the service",
+              "reshard_shards": "reshard, rank files"}
+
+
+def gen_bench_vllm() -> str:
+    """vLLM start-up at tp=2, the default loader vs load_format="reshard" (bench/compare_vllm.py,
+    bench/results/vllm.json)."""
+    data = json.loads((RESULTS / "vllm.json").read_text(encoding="utf-8"))
+    meta, full = data["meta"], data["checkpoint_bytes"]
+    rows = []
+    for name, c in sorted(data["summary"].items(), key=lambda kv: list(VLLM_CASES).index(kv[0]) if kv[0] in VLLM_CASES else 9):
+        served = c["served_by_service"]
+        read = _mib_list(c["bytes_per_rank"]) + (f" (service: {served / 1e6:.0f} MB for both)" if served else "")
+        loads = c["load_s_per_rank"]
+        rows.append([VLLM_CASES.get(name, name), _fmt(c["median_ready_s"], ".1f"), ", ".join(f"{x:.1f}" for x in c["ready_s"]),
+                     _fmt(c["ratio_ready_to_default"], ".2f") + "x", read,
+                     ", ".join(f"{x:.2f}" for x in c["bytes_per_rank_fraction_of_checkpoint"]),
+                     f"{loads[0]:.1f}-{loads[-1]:.1f}" if loads else "(not reported by vLLM)"])
+    agree = "agree" if data["tokens_agree"] else "**disagree**"
+    head = (f"`./run bench-vllm {meta['reps']}` (`bench/results/vllm.json`, {meta['date']}, commit "
+            f"{meta['git']['commit']}): medians of {meta['reps']} interleaved rounds after {meta['warmup']} warm-up "
+            f"round; {meta['machine'].split(', load average')[0]}; load average {meta['load_average'][0]} at the start, "
+            f"{meta['load_average'][1]} at the end. Checkpoint {full / 1e6:.0f} MB; greedy tokens of every run {agree}.")
+    return "\n".join([head, "", *_table(["case", "median ready s", "each run s", "x default", "bytes read per rank",
+                                         "of the checkpoint", "load step per rank s"], rows,
+                                        ["---", "---:", "---", "---:", "---", "---", "---"])])
+
+
 # --- tests' and trainer results -------------------------------------------------------------------------
 
 def gen_trainer_support() -> str:
@@ -405,6 +433,7 @@ GENERATORS: dict[str, Callable[[], str]] = {
     "bench-direct": gen_bench_direct,
     "bench-fill": gen_bench_fill,
     "bench-link": gen_bench_link,
+    "bench-vllm": gen_bench_vllm,
     "trainer-support": gen_trainer_support,
     "coverage": gen_coverage,
 }
