@@ -88,13 +88,13 @@ class RemoteDirectory:
         """Bytes [start, end) of a file whose size and version are known, through the store cache if on."""
         size, version = self.known[name]
 
-        def get(lo: int, hi: int) -> tuple[memoryview]:
-            return (self.store.get(self.key(name), lo, hi, version=version)[0],)
+        def get(lo: int, hi: int) -> memoryview:
+            return self.store.get(self.key(name), lo, hi, version=version)[0]
 
         cache = store_cache.current()
         if cache is None:
-            return bytes(get(start, end)[0])
-        return bytes(cache.read(get, self.path(name).url, version, size, start, end))
+            return bytes(get(start, end))
+        return bytes(cache.read(lambda lo, hi: (get(lo, hi),), self.path(name).url, version, size, start, end))
 
     def header(self, name: str) -> tuple[FileInfo, dict[str, TensorInfo]]:
         hit = self._head(name)
