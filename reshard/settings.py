@@ -22,7 +22,8 @@ class LibrarySettings(BaseSettings):
 
     plan_source: str = Field("table", description="TP plans: `table` (the shipped table, whatever transformers is "
                              "installed), `live` (the installed transformers), `auto` (the installed one when its "
-                             "version differs from the table's)")
+                             "version differs from the table's; read in reshard.rules.tp_plans without this class, so that a "
+                             "command's start-up does not import pydantic-settings)")
     mla: str = Field("", description="`heads`: split DeepSeek-style MLA attention by heads (transformers replicates it)")
     store_inflight: int = Field(64 << 20, ge=1, description="bytes a store-backed stream fetches ahead of its reader")
     store_concurrency: int = Field(16, ge=1, description="store requests in flight, all streams of a process together")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import signal
 import sys
 import threading
@@ -21,6 +22,10 @@ from importlib import import_module
 from typing import Any
 
 from reshard.errors import ReshardError
+
+# reshard's numpy gathers bytes and does no linear algebra: no OpenBLAS thread pool, whose threads spin for
+# a while once started and would take a core from the command (unless the user set it)
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 # modules of this package that define `add_commands(subparsers)`, imported when the parser is built; each
 # command sets `func(args) -> int`

@@ -60,7 +60,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def cmd_write(args: argparse.Namespace) -> int:
     write_shards = write_shards_to_store if is_url(args.out) else write_to_dir  # a store prefix: multipart uploads
     ckpt, plan = _plan(args)
-    with MAPS.enabled_while():  # row-split runs gathered, and copied ranges hashed, from leased mappings
+    with MAPS.enabled_while():  # row-split runs gathered from leased mappings
         record = write_shards(ckpt, plan, args.out, progress=args.progress)
     if not is_url(args.out):
         record_written(args.out, record["files"])  # a fill trusts these files' sha256 while they stay unchanged

@@ -145,29 +145,6 @@ class MappedFiles:
         finally:
             self._release(m)
 
-    def hash_range(self, fd: int, sha: Any, offset: int, n: int, *, block: int) -> int:
-        """Feed `sha` bytes [offset, offset+n) of the file open on `fd` from its leased mapping, `block`
-        bytes at a time (the lease can be broken between blocks); the number of bytes fed (fewer than n
-        where the file cannot be mapped now: read the rest)."""
-        if not self.enabled:
-            return 0
-        key = file_key(fd)
-        done = 0
-        while done < n:
-            m = self._acquire(fd, key)
-            if m is None:
-                return done
-            try:
-                if offset + n > m.size:
-                    return done  # not in the file as mapped: let the read report it
-                assert m.array is not None
-                k = min(block, n - done)
-                sha.update(m.array[offset + done : offset + done + k])
-                done += k
-            finally:
-                self._release(m)
-        return done
-
     def _acquire(self, fd: int, key: tuple[int, int, int, int]) -> _Mapping | None:
         with self._lock:
             m = self._maps.get(key)

@@ -12,12 +12,19 @@ from typing import Any
 from reshard.errors import PlanError
 from reshard.format.checkpoint import CONFIG_NAME, INDEX_NAME, SINGLE_NAME
 from reshard.format.selection import full_selection
-from reshard.io.outfs import check_space, output_errors, prepare_dir, remove_stale_temps, write_json_atomic
+from reshard.io.outfs import (
+    check_space,
+    fsync_dir,
+    output_errors,
+    prepare_dir,
+    remove_stale_temps,
+    write_json_atomic,
+)
 from reshard.io.progress import Progress
 from reshard.io.remote_dir import copy_beside
 from reshard.io.shards import ShardSet
 from reshard.io.sources import open_shards
-from reshard.io.writer import write_rank_file
+from reshard.io.writer import write_files
 from reshard.plan.segments import layout, segments_for
 from reshard.plan.types import OutTensor, RankPlan, source_files
 
@@ -54,8 +61,8 @@ def merge(src: str | Path, out: str | Path, *, max_file_bytes: int = DEFAULT_MAX
         remove_stale_temps(out)
         check_space(out, sum(p.size for _, p in plans) + (64 << 10), fix=f"free some space there or merge elsewhere, then {_RETRY}")
         bar = Progress(sum(p.size for _, p in plans), "merge", enabled=progress)
-        for fname, plan in plans:
-            write_rank_file(plan, out / fname, on_bytes=bar.update, retry=_RETRY)
+        write_files([(plan, out / fname, lambda d: None) for fname, plan in plans], on_bytes=bar.update, retry=_RETRY)
+        fsync_dir(out)
         bar.close()
         total = shards.total_bytes()  # every tensor whole: what the merged files hold
         if len(plans) > 1:

@@ -57,12 +57,12 @@ def free_bytes(path: str | os.PathLike[str]) -> int:
 
 def check_space(directory: str | os.PathLike[str], needed: int, *, fix: str = "free some space there or write elsewhere") -> None:
     """Before the first byte: `ReadOnlyError` when `directory`'s file system is mounted read-only,
-    `NoSpaceError` when `needed` bytes do not fit in it."""
+    `NoSpaceError` when `needed` bytes do not fit in it (where it reports a size)."""
     st = os.statvfs(_existing(Path(directory)))
     if st.f_flag & os.ST_RDONLY:
         raise ReadOnlyError(f"{directory}: read-only file system; remount it read-write or write elsewhere")
     free = st.f_bavail * st.f_frsize
-    if needed > free:
+    if needed > free and st.f_blocks:  # no blocks at all: a file system that says nothing of its size (ramfs)
         raise NoSpaceError(f"needs {megabytes(needed)} in {directory}, {megabytes(free)} free; {fix}")
 
 

@@ -200,8 +200,10 @@ class RankStream:
         ranges of that file (the caller keeps the descriptors open while the stream is used)."""
         self._copies = copies
 
-    def read_into(self, pos: int, out: memoryview) -> None:
-        """Fill `out` with the stream's bytes starting at `pos`."""
+    def read_into(self, pos: int, out: memoryview, *, check: bool = True) -> None:
+        """Fill `out` with the stream's bytes starting at `pos`; then, with `check`, raise
+        `SourceChangedError` if a source changed (a sink that checks once before it publishes, as the
+        writer does, passes False)."""
         if self._prefetch is not None:
             self._prefetch.ensure(pos, pos + len(out))
         i = bisect.bisect_right(self._starts, pos) - 1
@@ -220,7 +222,8 @@ class RankStream:
                 self._read_piece(piece, lo, dst)
             done += n
             i += 1
-        self.check_unchanged()
+        if check:
+            self.check_unchanged()
 
     def check_unchanged(self) -> None:
         """Raise `SourceChangedError` if a source file changed since the stream opened."""

@@ -160,7 +160,9 @@ def regexes(draw: st.DrawFn) -> str:
 
 
 @pytest.mark.filterwarnings("ignore::FutureWarning")  # Python's "possible nested set": RE2 reads it as Python does
-@settings(max_examples=1500, deadline=None, database=None)
+# derandomized: Python's re (the reference) backtracks exponentially on some drawn patterns (nested
+# quantifiers against a long name), and a fresh seed per run found one that ran for minutes
+@settings(max_examples=1500, deadline=None, database=None, derandomize=True)
 @given(regexes(), st.lists(NAMES_ST, min_size=1, max_size=8))
 def test_regexes_match_what_python_re_matches(pattern: str, names: list[str]) -> None:
     try:

@@ -4,17 +4,34 @@ to output byte-identical to an uninterrupted run."""
 
 from __future__ import annotations
 
+import errno
 import json
+import mmap
+import os
 import time
 from pathlib import Path
 
 import pytest
 
 from reshard.errors import NoSpaceError
+from reshard.format.checkpoint import Source
+from reshard.io import writer
 from reshard.io.sources import open_source
 from reshard.io.writer import PARTIAL_NAME, write_shards
 from reshard.plan.planner import make_plan
-from tests.support.fs import RANK0, RANK1, TP, Mount, assert_clean, leftovers, listing, reshard, same_tree
+from reshard.plan.types import Plan
+from tests.support.fs import (
+    RANK0,
+    RANK1,
+    TP,
+    Mount,
+    assert_clean,
+    leftovers,
+    listing,
+    mounted,
+    reshard,
+    same_tree,
+)
 
 pytestmark = pytest.mark.multiproc
 
@@ -37,10 +54,10 @@ def test_write_without_room_says_so_before_writing(fs: Mount, ckpt: Path, refere
 
 def test_write_running_out_midway_resumes_keeping_rank_0(fs: Mount, ckpt: Path, reference: dict[str, Path]) -> None:
     """Others fill the disk while rank 1 is being written: ENOSPC (never SIGBUS, even on tmpfs), rank 0
-    stays published, no reshard.json; the rerun keeps rank 0 and writes rank 1."""
+    stays published, no reshard.json; the rerun keeps rank 0 and writes rank 1. One writer, so that
+    rank 1 starts after rank 0 (the next test has them written at once)."""
     out = fs.path / "out"
-    src, manifest = open_source(ckpt)
-    plan = make_plan(src, manifest, TP)
+    src, plan = _source_and_plan(ckpt)
     seen = {"bytes": 0, "filled": False}
 
     def on_bytes(n: int) -> None:
@@ -53,7 +70,7 @@ def test_write_running_out_midway_resumes_keeping_rank_0(fs: Mount, ckpt: Path, 
             seen["filled"] = True
 
     with pytest.raises(NoSpaceError, match=f"{RANK1}: no space left on device .*run the same command again"):
-        write_shards(src, plan, out, progress=False, on_bytes=on_bytes)
+        write_shards(src, plan, out, progress=False, on_bytes=on_bytes, writers=1)
     assert seen["filled"]
     assert leftovers(out) == []
     assert listing(out) == [RANK0]
@@ -66,6 +83,68 @@ def test_write_running_out_midway_resumes_keeping_rank_0(fs: Mount, ckpt: Path, 
     assert not (out / PARTIAL_NAME).exists()
     r = reshard("write", ckpt, "--tp", TP, "-o", out, "--no-progress")  # complete: nothing to write
     assert "ranks 0-1 kept" in r.stdout and "written" not in r.stdout, r.stdout
+
+
+def test_ranks_written_at_once_running_out_publish_nothing_partial(fs: Mount, ckpt: Path,
+                                                                   reference: dict[str, Path]) -> None:
+    """Two writers, so both ranks are on their way when others fill the disk: ENOSPC naming a rank
+    file (not the stop the other writer got), no temp file, nothing published; the rerun writes the
+    reference's directory."""
+    out = fs.path / "out"
+    filled: list[int] = []
+
+    def fill_once(n: int) -> None:
+        if not filled:
+            fs.fill(leave=0)
+        filled.append(n)
+
+    with pytest.raises(NoSpaceError, match=r"rank-0000[01]-of-00002\.safetensors: no space left on device"):
+        write_shards(*_source_and_plan(ckpt), out, progress=False, on_bytes=fill_once, writers=2)
+    assert filled
+    # full from the first 256 KiB handed over, before any buffer went out: neither rank could be published,
+    # so the directory the write made is gone (no temp file in it either)
+    assert not out.exists()
+    fs.unfill()
+    r = reshard("write", ckpt, "--tp", TP, "-o", out, "--no-progress")
+    assert r.returncode == 0, r.stderr
+    same_tree(reference["write"], out)
+
+
+def test_write_where_o_direct_is_refused_at_open(tmp_path: Path, ckpt: Path, reference: dict[str, Path]) -> None:
+    """ramfs refuses O_DIRECT and reports no size: the rank files go through the page cache, and the
+    free-space check does not refuse a file system that says nothing of its size."""
+    with mounted("ramfs", tmp_path / "ramfs", size_mb=0) as m:
+        with pytest.raises(OSError) as refused:
+            os.open(m.path / "probe", os.O_WRONLY | os.O_CREAT | os.O_DIRECT)
+        assert refused.value.errno == errno.EINVAL
+        r = reshard("write", ckpt, "--tp", TP, "-o", m.path / "out", "--no-progress")
+        assert r.returncode == 0, r.stderr
+        same_tree(reference["write"], m.path / "out")
+
+
+def test_write_where_o_direct_refuses_the_alignment(tmp_path: Path, ckpt: Path, reference: dict[str, Path],
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """An ext4 on 4096-byte sectors, written with O_DIRECT aligned to 512 bytes only: the first
+    write the kernel refuses (EINVAL: each rank file's last, padded buffer) and all after it go
+    through the page cache, and the files still have the reference's bytes."""
+    monkeypatch.setattr(writer, "ALIGN", 512)
+    src, plan = _source_and_plan(ckpt)
+    assert all((rp.size % writer.SPAN) and -(-rp.size // 512) * 512 % 4096 for rp in plan.ranks)
+    with mounted("ext4-4k", tmp_path / "ext4-4k", size_mb=24) as m:
+        fd = os.open(m.path / "probe", os.O_WRONLY | os.O_CREAT | os.O_DIRECT)
+        try:
+            with pytest.raises(OSError) as refused:
+                os.pwrite(fd, memoryview(mmap.mmap(-1, 4096))[:512], 0)
+            assert refused.value.errno == errno.EINVAL
+        finally:
+            os.close(fd)
+        write_shards(src, plan, m.path / "out", progress=False)
+        same_tree(reference["write"], m.path / "out")
+
+
+def _source_and_plan(ckpt: Path) -> tuple[Source, Plan]:
+    src, manifest = open_source(ckpt)
+    return src, make_plan(src, manifest, TP)
 
 
 def _partial(out: Path) -> dict[str, object]:

@@ -1,5 +1,6 @@
 """Small real file systems for output-fault tests: a loop-mounted ext4 image and a tmpfs, each of which
-can be filled (a ballast file), freed, and remounted read-only. Mounting needs root; where it is not
+can be filled (a ballast file), freed, and remounted read-only; for the writer's O_DIRECT fallbacks
+also a ramfs (no O_DIRECT, no size) and an ext4 on a loop device of 4096-byte sectors (`ext4-4k`). Mounting needs root; where it is not
 permitted the tests that need it skip with the reason.
 
     m = Mount.create("ext4", where, size_mb=16)    # raises MountError (-> skip) when not permitted
@@ -51,14 +52,29 @@ class Mount:
         image = None
         if kind == "tmpfs":
             _run("mount", "-t", "tmpfs", "-o", f"size={size_mb}m", "tmpfs", str(where))
-        elif kind == "ext4":
+        elif kind == "ramfs":  # no size, no O_DIRECT
+            _run("mount", "-t", "ramfs", "ramfs", str(where))
+        elif kind in ("ext4", "ext4-4k"):  # ext4-4k: on a loop device of 4096-byte logical sectors
             if shutil.which("mkfs.ext4") is None:
                 raise MountError("mkfs.ext4 is not installed")
             image = where.with_name(where.name + ".img")
             with open(image, "wb") as f:
                 f.truncate(size_mb << 20)
-            _run("mkfs.ext4", "-q", "-F", "-m", "0", str(image))
-            _run("mount", "-o", "loop", str(image), str(where))
+            if kind == "ext4":
+                _run("mkfs.ext4", "-q", "-F", "-m", "0", str(image))
+                _run("mount", "-o", "loop", str(image), str(where))
+            else:
+                r = subprocess.run(["losetup", "-f", "--show", "-b", "4096", str(image)], capture_output=True,
+                                   text=True, check=False)
+                if r.returncode != 0:
+                    raise MountError(f"losetup failed: {r.stderr.strip()}")
+                device = r.stdout.strip()
+                try:
+                    _run("mkfs.ext4", "-q", "-F", "-m", "0", "-b", "4096", device)
+                    _run("mount", device, str(where))
+                except MountError:
+                    subprocess.run(["losetup", "-d", device], capture_output=True, check=False)
+                    raise
         else:
             raise ValueError(kind)
         return cls(kind, where, image)
@@ -69,6 +85,10 @@ class Mount:
         r = subprocess.run(["umount", str(self.path)], capture_output=True, check=False)
         if r.returncode != 0:
             subprocess.run(["umount", "-l", str(self.path)], capture_output=True, check=False)
+        if self.kind == "ext4-4k" and self.image is not None:  # its loop device (plain `-o loop` frees its own)
+            r = subprocess.run(["losetup", "-j", str(self.image)], capture_output=True, text=True, check=False)
+            for line in r.stdout.splitlines():
+                subprocess.run(["losetup", "-d", line.split(":", 1)[0]], capture_output=True, check=False)
         if self.image is not None:
             self.image.unlink(missing_ok=True)
 

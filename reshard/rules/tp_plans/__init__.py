@@ -11,6 +11,7 @@ Rules files (`--rules`, `reshard-rules.*`) come before all of these, in `reshard
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 from reshard.errors import ManifestError
@@ -28,9 +29,9 @@ SOURCE_ENV = "RESHARD_PLAN_SOURCE"
 
 
 def _plan_source() -> str:
-    from reshard.settings import library_settings  # pydantic-settings only where a plan is looked up
-
-    return library_settings().plan_source
+    """LibrarySettings.plan_source, read here without pydantic-settings (its import alone costs a command
+    0.1 s of start-up); `entry_for` checks the value."""
+    return os.environ.get(SOURCE_ENV, "table")
 
 
 def entry_for(model_type: str) -> tuple[PlanEntry | None, str]:

@@ -29,9 +29,11 @@ _ATTN = re.compile(r"(?P<pre>.*\.self_attn)\.(?P<leaf>[a-z_]+)\.(weight|bias)")
 
 @register_config_rules
 def mla_head_rules(config: dict[str, Any], names: list[str]) -> list[Rule]:
-    from reshard.settings import library_settings  # pydantic-settings only where rules are derived
+    if not config.get("kv_lora_rank"):
+        return []  # not MLA: the settings (and pydantic-settings, 0.1 s of a command's start-up) are not read
+    from reshard.settings import library_settings
 
-    if library_settings().mla != "heads" or not config.get("kv_lora_rank"):
+    if library_settings().mla != "heads":
         return []
     model_type = str(config.get("model_type"))
     entry = table_entry(model_type) or PlanEntry(model_type=model_type, base_plan={})
