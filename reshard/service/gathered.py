@@ -46,10 +46,10 @@ import time
 from array import array
 from pathlib import Path
 
+from reshard.io.outfile import pwrite_all
 from reshard.io.outfs import delete_oldest
 from reshard.io.owners import TAG, owner_gone, owner_tag
 from reshard.io.stream import RankStream
-from reshard.io.writer import pwrite_all
 
 log = logging.getLogger("reshard.service")
 

@@ -15,7 +15,7 @@ import pytest
 
 from reshard.errors import NoSpaceError
 from reshard.format.checkpoint import Source
-from reshard.io import writer
+from reshard.io import outfile
 from reshard.io.sources import open_source
 from reshard.io.writer import PARTIAL_NAME, write_shards
 from reshard.plan.planner import make_plan
@@ -127,9 +127,9 @@ def test_write_where_o_direct_refuses_the_alignment(tmp_path: Path, ckpt: Path, 
     """An ext4 on 4096-byte sectors, written with O_DIRECT aligned to 512 bytes only: the first
     write the kernel refuses (EINVAL: each rank file's last, padded buffer) and all after it go
     through the page cache, and the files still have the reference's bytes."""
-    monkeypatch.setattr(writer, "ALIGN", 512)
+    monkeypatch.setattr(outfile, "ALIGN", 512)
     src, plan = _source_and_plan(ckpt)
-    assert all((rp.size % writer.SPAN) and -(-rp.size // 512) * 512 % 4096 for rp in plan.ranks)
+    assert all((rp.size % outfile.SPAN) and -(-rp.size // 512) * 512 % 4096 for rp in plan.ranks)
     with mounted("ext4-4k", tmp_path / "ext4-4k", size_mb=24) as m:
         fd = os.open(m.path / "probe", os.O_WRONLY | os.O_CREAT | os.O_DIRECT)
         try:
