@@ -22,6 +22,8 @@ from bench.interleave import Case, drop_dirty, interleave
 BASELINES = str(Path(__file__).resolve().parent / "baselines.py")
 SAME_WORK = "cp -r + sync + sha256sum"  # the write-speed target's baseline: reshard write <= 1.0x of it
 SAME_WORK_OPENSSL = "cp -r + sync + openssl sha256"  # a stricter reading: the same hash code reshard uses
+CP_SYNC = "cp -r + sync files"  # issue 23's baseline, `cp -r && sync` (durability alone): reshard write <= 1.0x of it
+CP_SYNC_RECYCLED = "cp -r + sync files, page cache recycled"  # its best case here: the stricter baseline
 
 
 def reshard_bin() -> str:
@@ -34,6 +36,22 @@ def _fresh(path: Path) -> Callable[[], None]:
         if path.exists():
             shutil.rmtree(path)
         path.parent.mkdir(parents=True, exist_ok=True)
+        drop_dirty()
+
+    return setup
+
+
+def _recycled(src: Path, path: Path) -> Callable[[], None]:
+    """`_fresh`, after copying `src` to `path` and deleting it: the copy's page cache was freed just now, so
+    the timed copy gets pages at once. On this VM a page not used for a while costs a fault to the host
+    (cp -r took 0.33 s right after such a delete, 1.4-1.7 s after an O_DIRECT write had freed none);
+    O_DIRECT writes (reshard's) take no page cache either way."""
+    fresh = _fresh(path)
+
+    def setup() -> None:
+        fresh()
+        shutil.copytree(src, path)
+        shutil.rmtree(path)
         drop_dirty()
 
     return setup
@@ -59,8 +77,11 @@ def write_cases(src: Path, work: Path, tp: int, *, scripts: bool = True, cp_sync
     add("cp -r", ["cp", "-r", str(src), str(out)], out, "in-kernel copy (copy_file_range), no fsync")
     if cp_sync:
         out = work / "cp-sync"
-        add("cp -r + sync files", ["sh", "-c", f'cp -r "{src}" "{out}" && sync "{out}"/*'], out,
+        add(CP_SYNC, ["sh", "-c", f'cp -r "{src}" "{out}" && sync "{out}"/*'], out,
             "cp -r, then fsync of every copied file (durability like reshard's)")
+        cases.append(Case(CP_SYNC_RECYCLED, ["sh", "-c", f'cp -r "{src}" "{out}" && sync "{out}"/*'],
+                          setup=_recycled(src, out), teardown=_cleanup(out),
+                          note="the same, just after a copy of the checkpoint was deleted: its page cache is recycled"))
     out = work / "cp-sync-sha"
     add(SAME_WORK, ["sh", "-c", f'cp -r "{src}" "{out}" && sync "{out}"/* && sha256sum "{out}"/* > /dev/null'], out,
         "the same work as reshard write: copy, fsync and sha256 of every output file")
@@ -158,8 +179,10 @@ def memory_summary(results: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m bench.compare_write [--reps N] [--tp 4]`: only the write-speed target's comparison
-    (cp -r, cp -r + sync + sha256sum, reshard write), interleaved, on the 1 GB checkpoint."""
+    """`python -m bench.compare_write [--reps N] [--tp 4]`: only the write-speed targets' comparison
+    (cp -r, cp -r && sync plain and with its page cache recycled, cp -r + sync + openssl sha256, reshard
+    write), interleaved, on the 1 GB checkpoint. The target is issue 23's: <= 1.0x of `cp -r && sync` in its
+    best case here, the page cache recycled (`_recycled`)."""
     import argparse
     import json
 
@@ -174,16 +197,17 @@ def main(argv: list[str] | None = None) -> int:
     src = data.checkpoint("1gb", root=args.data)
     data.warm_page_cache(src)
     work = args.data / "work"
+    cases = [c for c in write_cases(src, work, args.tp, scripts=False, cp_sync=True) if c.name != SAME_WORK]
     try:
-        res = interleave(f"write 1gb tp{args.tp}", write_cases(src, work, args.tp, scripts=False), reps=args.reps,
-                         baseline="cp -r")
+        res = interleave(f"write 1gb tp{args.tp}", cases, reps=args.reps, baseline="cp -r")
     finally:
         shutil.rmtree(work, ignore_errors=True)
     name = f"reshard write --tp {args.tp}"
-    ratios = {f"vs {b}": pair_ratio(res, name, b) for b in (SAME_WORK, SAME_WORK_OPENSSL, "cp -r") if b in res["cases"]}
+    ratios = {f"vs {b}": pair_ratio(res, name, b) for b in (CP_SYNC_RECYCLED, CP_SYNC, SAME_WORK_OPENSSL, "cp -r")}
     medians = {c: round(v["median_s"], 3) for c, v in res["cases"].items()}
     print(json.dumps({"median_s": medians, "ratios": {k: round(v, 3) for k, v in ratios.items() if v is not None},
-                      "target": f"{name} <= 1.0x {SAME_WORK}", "met": ratios["vs " + SAME_WORK] <= 1.0}, indent=2))
+                      "target": f"{name} <= 1.0x {CP_SYNC_RECYCLED}", "met": ratios["vs " + CP_SYNC_RECYCLED] <= 1.0},
+                     indent=2))
     return 0
 
 

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import errno
 import fcntl
 import hashlib
@@ -14,10 +16,11 @@ from pathlib import Path
 
 from reshard.io.outfs import start_writeback
 
-SPAN = 1 << 20  # bytes per output buffer: assembled, then written by the file's own thread while the next fills
-FILL = 256 << 10  # bytes read into a buffer at a time, and hashed at once: still in the core's cache
-BUFFERS = 4  # per file: one being filled, the others on their way to the disk
+SPAN = 4 << 20  # bytes per output buffer: assembled, then written by the file's own thread while the next fills
+FILL = 1 << 20  # bytes read into a buffer at a time, and hashed at once: still in the core's cache
+BUFFERS = 3  # per file: one being filled, the others on their way to the disk
 ALIGN = 4096  # O_DIRECT: buffer address, file offset and length are multiples of this
+HUGE = 2 << 20  # a transparent huge page: buffers start on this boundary
 
 
 def pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> int:
@@ -28,9 +31,37 @@ def pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> int:
     return done
 
 
+class Buffers:
+    """The output buffers of one write, `SPAN` bytes each, lent to its files (`BUFFERS` to each at a
+    time) and made as they are first needed. Each starts on a `HUGE` boundary and asks for transparent
+    huge pages: an O_DIRECT write is cut into requests of as many pages as a bio holds (256), so from
+    4 KiB pages the disk gets 1 MiB requests, and from 2 MiB pages requests of the queue's
+    `max_sectors_kb` (measured on this project's VMs: 4 MiB requests instead of 1 MiB, 1 GB written with
+    O_DIRECT in 0.57-0.66 s instead of 0.81-0.92 s). Where the kernel gives no huge pages they are
+    ordinary pages."""
+
+    def __init__(self) -> None:
+        self._free: list[memoryview] = []
+        self._lock = threading.Lock()
+
+    def take(self) -> memoryview:
+        with self._lock:
+            if self._free:
+                return self._free.pop()
+        m = mmap.mmap(-1, SPAN + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        with contextlib.suppress(AttributeError, OSError):  # no such advice here: ordinary pages
+            m.madvise(mmap.MADV_HUGEPAGE)
+        start = -ctypes.addressof(ctypes.c_char.from_buffer(m)) % HUGE
+        return memoryview(m)[start : start + SPAN]
+
+    def give(self, bufs: list[memoryview]) -> None:
+        with self._lock:
+            self._free.extend(bufs)
+
+
 class OutFile:
     """A temp file written in order, hashed from the bytes as they arrive (one pass; nothing is read
-    back). The bytes are assembled in page-aligned buffers of `SPAN` bytes, each piece hashed as it
+    back). The bytes are assembled in the write's `Buffers` of `SPAN` bytes, each piece hashed as it
     lands (still in the core's cache); a full buffer is written by the file's own thread while the
     next one fills, so the disk works all along. (Hashing in that thread instead, before each
     write, left the disk idle for the hash: 1.5x slower.)
@@ -41,7 +72,7 @@ class OutFile:
     Elsewhere (tmpfs, some network file systems; or a first write refused for its alignment) it is
     written through the page cache, with its write-back to the disk started as it goes."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, buffers: Buffers) -> None:
         flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
         try:
             self.fd, self.direct = os.open(path, flags | getattr(os, "O_DIRECT", 0), 0o666), hasattr(os, "O_DIRECT")
@@ -51,11 +82,12 @@ class OutFile:
             self.fd, self.direct = os.open(path, flags, 0o666), False
         self.sha, self.size = hashlib.sha256(), 0
         self.error: BaseException | None = None
-        self._free: queue.Queue[mmap.mmap] = queue.Queue()
-        for _ in range(BUFFERS):
-            self._free.put(mmap.mmap(-1, SPAN))
-        self._todo: queue.Queue[tuple[mmap.mmap, int, int] | None] = queue.Queue()
-        self._buf: mmap.mmap | None = None
+        self._buffers, self._mine = buffers, [buffers.take() for _ in range(BUFFERS)]
+        self._free: queue.Queue[memoryview] = queue.Queue()
+        for buf in self._mine:
+            self._free.put(buf)
+        self._todo: queue.Queue[tuple[memoryview, int, int] | None] = queue.Queue()
+        self._buf: memoryview | None = None
         self._used = 0
         self._io = threading.Thread(target=self._write_out, name="reshard-write-io", daemon=True)
         self._io.start()
@@ -65,12 +97,12 @@ class OutFile:
         were put there with `filled`."""
         if self._buf is None:
             self._buf, self._used = self._free.get(), 0
-        return memoryview(self._buf)[self._used : min(self._used + FILL, SPAN)]
+        return self._buf[self._used : min(self._used + FILL, SPAN)]
 
     def filled(self, n: int) -> None:
         """The first n bytes of `space()` are the file's next bytes."""
         assert self._buf is not None
-        self.sha.update(memoryview(self._buf)[self._used : self._used + n])
+        self.sha.update(self._buf[self._used : self._used + n])
         self._used += n
         self.size += n
         if self._used == SPAN:
@@ -96,6 +128,8 @@ class OutFile:
         if self._io.is_alive():
             self._todo.put(None)
             self._io.join()
+        self._buffers.give(self._mine)
+        self._mine = []
 
     def abort(self) -> None:
         """The write failed: let the writes in flight end, and close the file."""
@@ -107,7 +141,7 @@ class OutFile:
             buf, n, offset = item
             if self.error is None:
                 try:
-                    self._write(memoryview(buf), n, offset)
+                    self._write(buf, n, offset)
                 except BaseException as e:  # raised by the next `filled` or by `close`
                     self.error = e
             self._free.put(buf)

@@ -12,7 +12,7 @@ from typing import Any
 
 from reshard.format.checkpoint import CONFIG_NAME, Source
 from reshard.io.hashing import file_sha256
-from reshard.io.outfile import OutFile
+from reshard.io.outfile import Buffers, OutFile
 from reshard.io.outfs import (
     check_space,
     fsync_dir,
@@ -51,12 +51,12 @@ def _write_data(stream: RankStream, out: OutFile, on_bytes: Callable[[int], None
     stream.check_unchanged()
 
 
-def _start(plan: RankPlan, path: Path, on_bytes: Callable[[int], None], stop: threading.Event, *,
-           retry: str) -> tuple[Path, OutFile]:
+def _start(plan: RankPlan, path: Path, buffers: Buffers, on_bytes: Callable[[int], None], stop: threading.Event,
+           *, retry: str) -> tuple[Path, OutFile]:
     """Write a rank file's bytes to a temp file beside `path`, hashed as they go out."""
     tmp = temp_path(path)
     with output_errors(path, retry=retry):
-        out = OutFile(tmp)
+        out = OutFile(tmp, buffers)
     try:
         with output_errors(path, retry=retry), RankStream(plan) as stream:
             _write_data(stream, out, on_bytes, stop)
@@ -98,7 +98,7 @@ def write_files(jobs: list[Job], *, on_bytes: Callable[[int], None] | None = Non
     a time. An OSError of the output side is raised as its `OutputError`, whose fix ends with `retry`.
     After the first failure (or an interrupt) the other files stop and none is published; files
     already published stay."""
-    lock, stop = threading.Lock(), threading.Event()
+    lock, stop, buffers = threading.Lock(), threading.Event(), Buffers()
 
     def counted(n: int) -> None:
         if on_bytes is not None:
@@ -116,7 +116,7 @@ def write_files(jobs: list[Job], *, on_bytes: Callable[[int], None] | None = Non
         plan, path, on_published = job
         if stop.is_set():
             raise _Stopped
-        tmp, out = _start(plan, path, counted, stop, retry=retry)
+        tmp, out = _start(plan, path, buffers, counted, stop, retry=retry)
         return finishing.submit(finish, tmp, out, path, on_published)
 
     if writers is None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import signal
@@ -18,6 +19,7 @@ from safetensors.torch import load_file, save_file
 
 from reshard.errors import SourceChangedError
 from reshard.format.checkpoint import Checkpoint
+from reshard.io import outfile
 from reshard.io.outfs import TMP_PREFIX
 from reshard.io.sources import open_source
 from reshard.io.stream import RankStream
@@ -114,6 +116,37 @@ def test_stream_from_any_offset_equals_file_bytes(strided_ckpt: tuple[Path, Mani
             assert all(len(v) <= 4099 for v in views)
             with pytest.raises(ValueError):
                 next(stream.chunks(0, size + 1))
+
+
+@pytest.mark.pure
+def test_rank_files_cycle_a_few_huge_page_aligned_buffers(strided_ckpt: tuple[Path, Manifest], tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Buffers of 16 KiB, so that every rank file goes through its buffers many times: the four files,
+    two at once, are assembled in at most 2 x BUFFERS buffers (lent from file to file), each starting
+    on a huge-page boundary (the O_DIRECT writes then reach the disk as large requests), and every
+    file still holds torch.chunk's slices and the sha256 reshard.json records."""
+    root, manifest = strided_ckpt
+    ckpt = Checkpoint.open(root)
+    plan = make_plan(ckpt, manifest, 4)
+    monkeypatch.setattr(outfile, "SPAN", 16 << 10)
+    monkeypatch.setattr(outfile, "FILL", 4 << 10)
+    lent: list[memoryview] = []
+    take = outfile.Buffers.take
+    monkeypatch.setattr(outfile.Buffers, "take", lambda self: lent.append(take(self)) or lent[-1])
+    record = write_shards(ckpt, plan, tmp_path, progress=False, writers=2)
+    assert all(rp.size > 4 * outfile.SPAN for rp in plan.ranks)  # each file cycles its buffers
+    assert len(lent) == 4 * outfile.BUFFERS
+    buffers = {id(buf.obj): buf for buf in lent}
+    assert len(buffers) <= 2 * outfile.BUFFERS
+    assert all(len(buf) == outfile.SPAN and ctypes.addressof(ctypes.c_char.from_buffer(buf)) % outfile.HUGE == 0
+               for buf in buffers.values())
+    src = load_file(str(root / "model.safetensors"))
+    for rp in plan.ranks:
+        path = tmp_path / rank_file_name(rp.rank, 4)
+        got = load_file(str(path))
+        assert_same(got["narrow.weight"], torch.chunk(src["narrow.weight"], 4, 1)[rp.rank])
+        assert_same(got["wide.weight"], torch.chunk(src["wide.weight"], 4, 1)[rp.rank])
+        assert record["files"][path.name]["sha256"] == sha256_file(path)
 
 
 @pytest.mark.multiproc

@@ -101,7 +101,7 @@ def test_ranks_written_at_once_running_out_publish_nothing_partial(fs: Mount, ck
     with pytest.raises(NoSpaceError, match=r"rank-0000[01]-of-00002\.safetensors: no space left on device"):
         write_shards(*_source_and_plan(ckpt), out, progress=False, on_bytes=fill_once, writers=2)
     assert filled
-    # full from the first 256 KiB handed over, before any buffer went out: neither rank could be published,
+    # full from the first piece handed over, before any buffer went out: neither rank could be published,
     # so the directory the write made is gone (no temp file in it either)
     assert not out.exists()
     fs.unfill()
