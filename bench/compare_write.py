@@ -20,7 +20,7 @@ from bench.data import weight_bytes
 from bench.interleave import Case, drop_dirty, interleave
 
 BASELINES = str(Path(__file__).resolve().parent / "baselines.py")
-SAME_WORK = "cp -r + sync + sha256sum"  # the write-speed target's baseline: reshard write <= 1.0x of it
+SAME_WORK = "cp -r + sync + sha256sum"  # the same work as reshard write (copy, fsync, hash): <= 1.0x of it
 SAME_WORK_OPENSSL = "cp -r + sync + openssl sha256"  # a stricter reading: the same hash code reshard uses
 CP_SYNC = "cp -r + sync files"  # issue 23's baseline, `cp -r && sync` (durability alone): reshard write <= 1.0x of it
 CP_SYNC_RECYCLED = "cp -r + sync files, page cache recycled"  # its best case here: the stricter baseline
@@ -70,18 +70,17 @@ def write_cases(src: Path, work: Path, tp: int, *, scripts: bool = True, cp_sync
     py, rs = sys.executable, reshard_bin()
     cases = []
 
-    def add(name: str, argv: list[str], out: Path, note: str = "") -> None:
-        cases.append(Case(name, argv, setup=_fresh(out), teardown=_cleanup(out), note=note))
+    def add(name: str, argv: list[str], out: Path, note: str = "", setup: Callable[[], None] | None = None) -> None:
+        cases.append(Case(name, argv, setup=setup or _fresh(out), teardown=_cleanup(out), note=note))
 
     out = work / "cp"
     add("cp -r", ["cp", "-r", str(src), str(out)], out, "in-kernel copy (copy_file_range), no fsync")
     if cp_sync:
         out = work / "cp-sync"
-        add(CP_SYNC, ["sh", "-c", f'cp -r "{src}" "{out}" && sync "{out}"/*'], out,
-            "cp -r, then fsync of every copied file (durability like reshard's)")
-        cases.append(Case(CP_SYNC_RECYCLED, ["sh", "-c", f'cp -r "{src}" "{out}" && sync "{out}"/*'],
-                          setup=_recycled(src, out), teardown=_cleanup(out),
-                          note="the same, just after a copy of the checkpoint was deleted: its page cache is recycled"))
+        cp_sync_argv = ["sh", "-c", f'cp -r "{src}" "{out}" && sync "{out}"/*']
+        add(CP_SYNC, cp_sync_argv, out, "cp -r, then fsync of every copied file (durability like reshard's)")
+        add(CP_SYNC_RECYCLED, cp_sync_argv, out,
+            "the same, just after a copy of the checkpoint was deleted: its page cache is recycled", _recycled(src, out))
     out = work / "cp-sync-sha"
     add(SAME_WORK, ["sh", "-c", f'cp -r "{src}" "{out}" && sync "{out}"/* && sha256sum "{out}"/* > /dev/null'], out,
         "the same work as reshard write: copy, fsync and sha256 of every output file")
