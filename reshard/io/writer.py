@@ -68,10 +68,13 @@ def _start(plan: RankPlan, path: Path, buffers: Buffers, on_bytes: Callable[[int
     return tmp, out
 
 
-def _finish(tmp: Path, out: OutFile, path: Path, on_published: Callable[[str], None], *, retry: str) -> str:
-    """fsync the written temp file and publish it under its final name."""
+def _finish(tmp: Path, out: OutFile, path: Path, on_published: Callable[[str], None], stop: threading.Event,
+            *, retry: str) -> str:
+    """fsync the written temp file and publish it under its final name (unless the write stopped meanwhile)."""
     fd = out.fd
     try:
+        if stop.is_set():
+            raise _Stopped
         with output_errors(path, retry=retry):
             os.fsync(fd)
             os.close(fd)
@@ -107,7 +110,7 @@ def write_files(jobs: list[Job], *, on_bytes: Callable[[int], None] | None = Non
 
     def finish(tmp: Path, out: OutFile, path: Path, on_published: Callable[[str], None]) -> str:
         try:
-            return _finish(tmp, out, path, on_published, retry=retry)
+            return _finish(tmp, out, path, on_published, stop, retry=retry)
         except BaseException:
             stop.set()
             raise
@@ -121,10 +124,13 @@ def write_files(jobs: list[Job], *, on_bytes: Callable[[int], None] | None = Non
 
     if writers is None:
         writers = min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1, WRITERS)
-    with ThreadPoolExecutor(max(1, min(len(jobs), writers)), thread_name_prefix="reshard-write") as writing, \
-            ThreadPoolExecutor(2, thread_name_prefix="reshard-fsync") as finishing:
-        writes = [writing.submit(one, job) for job in jobs]
+    # the writers are waited for first: one that completes its file after an interrupt still hands it
+    # to a finisher, which removes it instead of publishing it
+    with ThreadPoolExecutor(2, thread_name_prefix="reshard-fsync") as finishing, \
+            ThreadPoolExecutor(max(1, min(len(jobs), writers)), thread_name_prefix="reshard-write") as writing:
+        writes: list[Future[Future[str]]] = []
         try:
+            writes.extend(writing.submit(one, job) for job in jobs)
             for w in as_completed(writes):
                 if w.exception() is not None:
                     stop.set()

@@ -9,6 +9,7 @@ import signal
 import struct
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -17,6 +18,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from reshard.cli import Interrupted, stop_on_signals
 from reshard.errors import SourceChangedError
 from reshard.format.checkpoint import Checkpoint
 from reshard.io import outfile
@@ -235,3 +237,27 @@ def test_killed_write_leaves_no_partial_file_and_rerun_completes(tmp_path: Path,
         got = load_file(str(path))
         assert_same(got["big.weight"], expected[r])
         assert_same(got["norm.weight"], torch.arange(cols, dtype=torch.int32))
+
+
+@pytest.mark.pure
+def test_interrupt_as_a_file_completes_publishes_nothing_and_leaves_no_temp(strided_ckpt: tuple[Path, Manifest],
+                                                                            tmp_path: Path) -> None:
+    """SIGINT lands just as rank 0's last bytes arrive (one writer): the write stops, raises the
+    interrupt, publishes nothing, and leaves neither a temp file nor the directory it made, although
+    rank 0's file was complete and on its way to be published."""
+    root, manifest = strided_ckpt
+    ckpt = Checkpoint.open(root)
+    plan = make_plan(ckpt, manifest, 2)
+    seen = 0
+
+    def on_bytes(n: int) -> None:
+        nonlocal seen
+        seen += n
+        if seen == plan.ranks[0].size:  # in the writing thread: rank 0 is complete, not yet published
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+            time.sleep(0.3)  # the main thread takes the interrupt and stops the write meanwhile
+
+    out = tmp_path / "new" / "out"
+    with stop_on_signals(), pytest.raises(Interrupted):
+        write_shards(ckpt, plan, out, progress=False, writers=1, on_bytes=on_bytes)
+    assert not (tmp_path / "new").exists(), sorted(str(p) for p in tmp_path.rglob("*"))
