@@ -46,7 +46,7 @@ def verbose_server(root: Path, *, token: str, out: Path, log_path: Path) -> Iter
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
     srv = LiveServer(f"http://127.0.0.1:{port}", proc, log_path, token)
     try:
-        assert _wait_healthy(srv, 60), srv.log()
+        assert _wait_healthy(srv, 60, WORKERS), srv.log()
         yield srv
     finally:
         _stop(proc)

@@ -10,9 +10,10 @@
         srv.rss(), srv.peak_rss(), srv.fds()             # server memory (bytes), fds: all its workers
 
 `live_server` runs `python -m reshard.cli serve` in a subprocess on a free port (settings other than
-root/host/port/token/out go through `RESHARD_*` environment variables), waits for /healthz and
-terminates the server afterwards; its log is at `srv.log_path`. `CuttingProxy` breaks connections
-after N bytes, for resume tests. tests/conftest.py turns these into fixtures.
+root/host/port/token/out go through `RESHARD_*` environment variables), waits for /healthz and, with
+`--workers N`, until every worker accepts (`accepting`), and terminates the server afterwards; its log
+is at `srv.log_path`. `CuttingProxy` breaks connections after N bytes, for resume tests.
+tests/conftest.py turns these into fixtures.
 """
 
 
@@ -136,7 +137,7 @@ def live_server(root: Path, *, token: str | None = None, out: Path | None = None
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
         srv = LiveServer(f"http://127.0.0.1:{port}", proc, log_path, token)
-        if _wait_healthy(srv, startup_timeout):
+        if _wait_healthy(srv, startup_timeout, workers):
             break
         _stop(proc)
         if "address already in use" not in srv.log():
@@ -149,16 +150,39 @@ def live_server(root: Path, *, token: str | None = None, out: Path | None = None
         _stop(proc)
 
 
-def _wait_healthy(srv: LiveServer, timeout: float) -> bool:
+def _wait_healthy(srv: LiveServer, timeout: float, workers: int = 1) -> bool:
+    """/healthz answers, and then every one of `workers` workers accepts connections."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not srv.alive():
-            return False
+    while srv.alive() and time.monotonic() < deadline:
         with contextlib.suppress(httpx.HTTPError):
             if httpx.get(srv.url + "/healthz", timeout=1.0).status_code == 200:
-                return True
+                break
         time.sleep(0.1)
+    else:
+        return False
+    while srv.alive() and time.monotonic() < deadline:
+        if workers == 1 or len(accepting(srv)) >= workers:
+            return True
+        time.sleep(0.05)
     return False
+
+
+def accepting(srv: LiveServer) -> set[int]:
+    """The server's processes whose event loop watches its listening socket: the workers that accept
+    connections (one that is still importing or starting its app does not; /healthz answered by one
+    worker says nothing of the others). An epoll's /proc fdinfo names each watched file's inode."""
+    port = f"{int(srv.url.rsplit(':', 1)[1]):04X}"
+    listening = [f[9] for f in (ln.split() for ln in Path("/proc/net/tcp").read_text().splitlines()[1:])
+                 if f[1].endswith(":" + port) and f[3] == "0A"]
+    if not listening:
+        return set()
+    watch = f" ino:{int(listening[0]):x} "
+    out = set()
+    for pid in process_tree(srv.proc.pid):
+        with contextlib.suppress(OSError):
+            if any(watch in info.read_text() for info in Path(f"/proc/{pid}/fdinfo").iterdir()):
+                out.add(pid)
+    return out
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> None:
