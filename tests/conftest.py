@@ -46,12 +46,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _verified_dir(tmp_path_factory: pytest.TempPathFactory) -> None:
+def _cache_dirs(tmp_path_factory: pytest.TempPathFactory) -> None:
     """Rank files verified by `reshard write` and fills are recorded in a directory of the session's
-    (`reshard.io.verified`), not in the user's cache; subprocesses inherit it."""
+    (`reshard.io.verified`), and transformers' import structure is kept in another
+    (`reshard.importcache`), not in the user's cache; subprocesses inherit them."""
     import os
 
     os.environ.setdefault("RESHARD_VERIFIED_DIR", str(tmp_path_factory.mktemp("verified")))
+    os.environ.setdefault("RESHARD_IMPORT_CACHE_DIR", str(tmp_path_factory.mktemp("imports")))
 
 
 # --- service fixtures (tests/service, tests/hardening) ------------------------------------------------
