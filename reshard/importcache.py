@@ -7,11 +7,12 @@ once by a `Path`, once by a `str`). On this project's 2-core machine that is 0.6
 in every process that builds a model: each rank under torchrun, the launcher before it forks.
 
 `install()`, called before transformers is imported (the `reshard` entry points call it), wraps
-`define_import_structure` as its module is loaded. The result is kept on disk, as JSON, with the
-fingerprint of what it was computed from: every path under the walked directory with each file's size
-and mtime in nanoseconds, and the same of `import_utils.py` itself (14 ms to take). A file installed,
-upgraded, edited or removed changes the fingerprint, and the tree is read again. Where the directory
-cannot be read or written, transformers computes the structure as usual.
+`define_import_structure(module_path, prefix)` as its module is loaded (another signature is left
+alone). The result is kept on disk, as JSON, with the fingerprint of what it was computed from: every
+path under the walked directory with each file's size and mtime in nanoseconds, and the same of
+`import_utils.py` itself (14 ms to take). A file installed, upgraded, edited or removed changes the
+fingerprint, and the tree is read again. Where the directory cannot be read or written, transformers
+computes the structure as usual.
 
 The cache is `$RESHARD_IMPORT_CACHE_DIR`, else `$XDG_CACHE_HOME/reshard/imports/` (default
 `~/.cache/...`): one small JSON file per walked directory and prefix, replaced atomically. Installed
@@ -25,6 +26,7 @@ import functools
 import hashlib
 import importlib.abc
 import importlib.machinery
+import inspect
 import json
 import os
 import sys
@@ -66,7 +68,8 @@ class _Finder(importlib.abc.MetaPathFinder):
             def exec_module(module: ModuleType) -> None:
                 run(module)
                 original = getattr(module, "define_import_structure", None)
-                if callable(original):  # an lru_cache as transformers' own: one object per argument
+                if callable(original) and list(inspect.signature(original).parameters) == ["module_path", "prefix"]:
+                    # an lru_cache as transformers' own: one object per argument
                     wrapped = functools.wraps(original)(functools.partial(cached, original))
                     module.define_import_structure = functools.lru_cache(wrapped)
 
