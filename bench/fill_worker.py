@@ -43,7 +43,10 @@ def _status_mib(*fields: str) -> dict[str, float]:
 
 def _import_model_class(mode: str, source: str) -> None:
     """What every mode imports before loading: transformers and the checkpoint's model class (as the
-    launcher's preload does, and as from_pretrained would)."""
+    launcher's preload does, and as from_pretrained would). A fill imports reshard first, as a worker
+    of reshard's does (docs/launch.md): transformers is then imported through `reshard.importcache`."""
+    if mode != "from_pretrained":
+        import reshard  # noqa: F401
     import transformers
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 

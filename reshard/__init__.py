@@ -12,6 +12,9 @@ The public API, in the order of the data flow::
 `fill_model` and `empty_tp_model` need torch and transformers. Every name but `Layout` and
 `ReshardError` is imported on first use, so `import reshard` stays cheap and a process that only
 fills a model (from rank files or the service) never imports the HTTP, settings or planning stacks.
+A transformers imported after `import reshard` does not read its own source tree to learn what it
+exports: that is kept on disk while the tree is unchanged (`reshard.importcache`), 0.6 s less per
+process on a 2-core machine.
 """
 
 from __future__ import annotations
@@ -19,8 +22,11 @@ from __future__ import annotations
 from importlib import import_module
 from typing import Any
 
+from reshard import importcache
 from reshard.errors import ReshardError
 from reshard.layout import Layout
+
+importcache.install()
 
 __version__ = "0.1.0"
 __all__ = ["Layout", "ReshardError", "__version__", "empty_tp_model", "fill_model", "make_plan", "open_source", "write_shards"]

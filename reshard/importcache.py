@@ -6,7 +6,7 @@ and it does so twice: for the top-level package and for `transformers.models` (i
 once by a `Path`, once by a `str`). On this project's 2-core machine that is 0.6 s of a 2.9 s import,
 in every process that builds a model: each rank under torchrun, the launcher before it forks.
 
-`install()`, called before transformers is imported (the `reshard` entry points call it), wraps
+`install()`, called before transformers is imported (`import reshard` calls it), wraps
 `define_import_structure(module_path, prefix)` as its module is loaded (another signature is left
 alone). The result is kept on disk, as JSON, with the fingerprint of what it was computed from: every
 path under the walked directory with each file's size and mtime in nanoseconds, and the same of

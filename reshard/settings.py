@@ -52,9 +52,9 @@ class LibrarySettings(BaseSettings):
                               "recorded (reshard.io.verified; read there without this class: the fill path does "
                               "not import pydantic-settings); default `$XDG_CACHE_HOME/reshard/verified`, "
                               "`~/.cache/reshard/verified`")
-    import_cache_dir: str = Field("", description="where the `reshard` commands keep transformers' import structure, "
-                                  "so that importing transformers does not read its whole source tree (reshard."
-                                  "importcache, read there without this class); default "
+    import_cache_dir: str = Field("", description="where a process that imported reshard keeps transformers' import "
+                                  "structure, so that importing transformers does not read its whole source tree "
+                                  "(reshard.importcache, read there without this class); default "
                                   "`$XDG_CACHE_HOME/reshard/imports`, `~/.cache/reshard/imports`")
 
 

@@ -18,12 +18,19 @@ service and hardening folders, whose conftest.py add their own `server` (one wor
 from __future__ import annotations
 
 import importlib.util
+import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
-import pytest
+# transformers' import structure (`reshard.importcache`) is kept in a directory of the session's, not in
+# the user's cache, from the first import of reshard on (the next line's); subprocesses inherit it
+_IMPORTS = tempfile.TemporaryDirectory(prefix="reshard-imports-")
+os.environ.setdefault("RESHARD_IMPORT_CACHE_DIR", _IMPORTS.name)
 
-from tests.support.live import BIG, SMALL_CKPTS, CuttingProxy, make_ckpt
+import pytest  # noqa: E402
+
+from tests.support.live import BIG, SMALL_CKPTS, CuttingProxy, make_ckpt  # noqa: E402
 
 TIERS = ("pure", "multiproc", "servers", "e2e")
 
@@ -46,14 +53,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _cache_dirs(tmp_path_factory: pytest.TempPathFactory) -> None:
+def _verified_dir(tmp_path_factory: pytest.TempPathFactory) -> None:
     """Rank files verified by `reshard write` and fills are recorded in a directory of the session's
-    (`reshard.io.verified`), and transformers' import structure is kept in another
-    (`reshard.importcache`), not in the user's cache; subprocesses inherit them."""
-    import os
-
+    (`reshard.io.verified`), not in the user's cache; subprocesses inherit it."""
     os.environ.setdefault("RESHARD_VERIFIED_DIR", str(tmp_path_factory.mktemp("verified")))
-    os.environ.setdefault("RESHARD_IMPORT_CACHE_DIR", str(tmp_path_factory.mktemp("imports")))
 
 
 # --- service fixtures (tests/service, tests/hardening) ------------------------------------------------

@@ -21,11 +21,7 @@ from collections.abc import Iterator, Sequence
 from importlib import import_module
 from typing import Any
 
-from reshard import importcache
 from reshard.errors import ReshardError
-
-# every entry point (`reshard`, `python -m reshard.cli.X`) imports transformers without reading its source tree
-importcache.install()
 
 # reshard's numpy gathers bytes and does no linear algebra: no OpenBLAS thread pool, whose threads spin for
 # a while once started and would take a core from the command (unless the user set it)
