@@ -35,16 +35,11 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from reshard.cachedir import cache_dir
+
 TARGET = "transformers.utils.import_utils"
 DIR_ENV = "RESHARD_IMPORT_CACHE_DIR"  # LibrarySettings.import_cache_dir, read here without pydantic-settings
 Structure = dict[frozenset[str], dict[str, set[str]]]
-
-
-def cache_dir() -> Path:
-    if os.environ.get(DIR_ENV):
-        return Path(os.environ[DIR_ENV])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "reshard" / "imports"
 
 
 def install() -> None:
@@ -86,7 +81,7 @@ def cached(original: Callable[..., Structure], module_path: str | os.PathLike[st
     except OSError:
         return original(module_path, prefix)
     key = hashlib.blake2b(f"{os.path.realpath(root)}\0{prefix}".encode(), digest_size=12).hexdigest()
-    dest = cache_dir() / f"transformers-{key}.json"
+    dest = cache_dir("imports", env=DIR_ENV) / f"transformers-{key}.json"
     with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
         rec = json.loads(dest.read_bytes())
         if rec["fingerprint"] == fingerprint:
@@ -117,7 +112,7 @@ def _fingerprint(root: str, original: Callable[..., Any]) -> str:
             else:
                 add(e.path)
 
-    add(getattr(sys.modules.get(getattr(original, "__module__", "")), "__file__", None) or root)
+    add(inspect.getfile(inspect.unwrap(original)))
     walk(root)
     return h.hexdigest()
 

@@ -8,8 +8,8 @@ A TP worker's start-up is mostly imports: torch, transformers, and transformers'
 modules (which pull torch.distributed.tensor, accelerate, torch._dynamo) take ~4 CPU-seconds, and
 under torchrun every rank pays them, all at once, on the same cores. The launcher imports them once
 and forks the ranks, which inherit the imported modules (copy-on-write memory: shared until written).
-transformers' import reads its whole `models/` source tree; like every `reshard` entry point, the
-launcher keeps what that finds (`reshard.importcache`), 0.6 s less on a 2-core machine.
+transformers' import reads its whole `models/` source tree; as in any process that imports reshard
+first, what that finds is kept on disk (`reshard.importcache`): 0.6 s less on a 2-core machine.
 
 The ranks see torchrun's environment: RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK,
 GROUP_WORLD_SIZE, ROLE_RANK, ROLE_WORLD_SIZE, ROLE_NAME, MASTER_ADDR, MASTER_PORT (a free port of

@@ -27,6 +27,8 @@ import json
 import os
 from pathlib import Path
 
+from reshard.cachedir import cache_dir as user_cache
+
 Identity = tuple[int, int, int, int, int]
 
 
@@ -34,10 +36,7 @@ DIR_ENV = "RESHARD_VERIFIED_DIR"  # LibrarySettings.verified_dir, read here with
 
 
 def cache_dir() -> Path:
-    if os.environ.get(DIR_ENV):
-        return Path(os.environ[DIR_ENV])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "reshard" / "verified"
+    return user_cache("verified", env=DIR_ENV)
 
 
 def identity(fd: int) -> Identity:

@@ -101,10 +101,10 @@ class Settings(BaseSettings):
         in a store: in ~/.cache/reshard/serve-HASH, or $XDG_CACHE_HOME)."""
         if isinstance(self.root, str):
             import hashlib
-            import os
 
-            cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-            return cache / "reshard" / f"serve-{hashlib.sha256(self.root.encode()).hexdigest()[:16]}"
+            from reshard.cachedir import cache_dir
+
+            return cache_dir(f"serve-{hashlib.sha256(self.root.encode()).hexdigest()[:16]}")
         return self.root / ".reshard"
 
     @property
