@@ -8,7 +8,7 @@ Stores, each on 127.0.0.1 and counting the body bytes and requests it answers:
   http    bench.fileserver (Starlette FileResponse: several ranges per request, at most 100, each part
           read by a thread hop)
   nginx   nginx 1.22 (several ranges per request, parts written by C), counted from its access log
-Ways (`RESHARD_STORE_ROWS`): `auto` (the default: whichever reshard.io.readcost prices lower, from the
+Ways (`RESHARD_STORE_ROWS`): `auto` (the default: whichever reshard.io.source.readcost prices lower, from the
 costs the process measures), `blocks` (the row blocks), `slices` (each row's slice: several per request
 where the server answers them); `auto, 1 Gbit/s` is `auto` told the node's link rate
 (`RESHARD_STORE_BANDWIDTH=125000000`), which loopback cannot show. S3 slices (a GET per row: tens of
@@ -119,7 +119,7 @@ def _case(kind: str, way: str, srv: Any, url: str, out: Path, want: bytes, tp: i
 
 
 def _rows(src: Path, tp: int, rank: int) -> int:
-    from reshard.io.sources import open_source
+    from reshard.io.source.opener import open_source
     from reshard.plan.planner import make_plan
 
     ckpt, manifest = open_source(src)

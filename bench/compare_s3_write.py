@@ -32,7 +32,7 @@ def download_then_write(url: str, work: Path, out: Path) -> None:
     import obstore
 
     from reshard.cli import main
-    from reshard.io.stores import store_for
+    from reshard.io.source.stores import store_for
 
     store, prefix = store_for(url.rstrip("/") + "/")
     local = work / "download"

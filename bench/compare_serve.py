@@ -10,7 +10,7 @@ are cores (`--workers`, `worker_processes`); FileResponse is one uvicorn process
 alongside (the server's base before the run and its peak are both recorded, so the memory per open
 stream can be read off). Servers start before and stop after each comparison (outside the timings);
 the warm-up rounds (one per worker, at least two) also fill the service's plan caches and file
-mappings, and make its copies of gathered (row-split) pieces (`reshard.service.gathered`: the second whole
+mappings, and make its copies of gathered (row-split) pieces (`reshard.service.transport.gathered`: the second whole
 pull of a shard writes them; they are deleted before the comparisons). "reshard serve, gathering every
 pull" is the same server with those copies off (`RESHARD_GATHER_CACHE=0`): the speed of a shard's
 first pulls.

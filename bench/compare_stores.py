@@ -6,7 +6,7 @@ Two workloads on one object, each the shape of a rank's reads: `strided` (the ru
 tensor at tp=2: 16 KiB taken, 16 KiB skipped, as separate ranged GETs) and `blocks` (1 MiB column-split
 blocks). Each client runs in its own process (wall time includes its import and its client set-up,
 the fetch time is printed separately) with 8 requests in flight:
-  obstore-threads  obstore.get_range from 8 threads (what reshard.io.stores does)
+  obstore-threads  obstore.get_range from 8 threads (what reshard.io.source.stores does)
   obstore-ranges   obstore.get_ranges (its own concurrency; coalescing off: the gaps must not be fetched)
   s3fs             fsspec's s3fs `cat_ranges` (aiobotocore; it does not coalesce)
   boto3-threads    boto3 get_object(Range=...) from 8 threads

@@ -46,7 +46,7 @@ def bytes_served(base: str) -> float:
 
 def expected_bytes(src: Path, tp: int) -> dict[str, Any]:
     """From the plan (headers only): each rank's file size and the full checkpoint's tensor bytes."""
-    from reshard.io.sources import open_source
+    from reshard.io.source.opener import open_source
     from reshard.plan.planner import make_plan
 
     ckpt, manifest = open_source(src)

@@ -53,7 +53,7 @@ def _import_model_class(mode: str, source: str) -> None:
     if mode == "from_pretrained":
         config = transformers.AutoConfig.from_pretrained(source)
     else:
-        from reshard.fill.hf import source_config
+        from reshard.fill.empty_model import source_config
 
         config = transformers.AutoConfig.for_model(**source_config(source))
     MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]  # noqa: B018  imports the modeling module

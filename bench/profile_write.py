@@ -54,8 +54,8 @@ def _fsync_all(files: list[Path]) -> None:
 
 
 def one_round(src: Path, tp: int, out: Path) -> dict[str, float]:
-    from reshard.io.sources import open_source
-    from reshard.io.writer import write_shards
+    from reshard.io.sinks.writer import write_shards
+    from reshard.io.source.opener import open_source
     from reshard.plan.planner import make_plan
 
     files = sorted(src.glob("*.safetensors"))

@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
             n = "granian (the same app)"
             argv_g = [sys.executable, "-m", "granian", "--interface", "asgi", "--factory", "--workers", str(WORKERS),
                       "--host", "127.0.0.1", "--port", str(ports[n]), "--no-ws", "--log-level", "warning",
-                      "reshard.service.workers:worker_app"]
+                      "reshard.service.process.workers:worker_app"]
             env = {"RESHARD_ROOT": str(root), "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
             pids[n] = stack.enter_context(server(argv_g, f"http://127.0.0.1:{ports[n]}/healthz", env=env,
                                                  log=logs / "granian.log")).pid

@@ -6,7 +6,7 @@ from typing import Any
 
 from bench.compare_write import CP_SYNC, CP_SYNC_RECYCLED
 from bench.measure import median
-from reshard.service.settings import Settings
+from reshard.service.serve_settings import Settings
 
 
 def find(results: dict[str, Any], title: str) -> dict[str, Any] | None:

@@ -1,6 +1,6 @@
 """One small exception hierarchy. Every error names the file, the tensor, the numbers and the fix.
 
-The service maps these classes to HTTP status codes in one place (`reshard/service/errors.py`) through
+The service maps these classes to HTTP status codes in one place (`reshard/service/http_errors.py`) through
 `http_status`; the CLI prints `str(error)` as one line and exits non-zero.
 """
 

@@ -1,6 +1,6 @@
 """The library's settings: `RESHARD_*` environment variables, read when they are used.
 
-Every knob the library (not the service: `reshard.service.settings`) reads from the environment is a
+Every knob the library (not the service: `reshard.service.serve_settings`) reads from the environment is a
 field here, so the list of them is one class (docs/service.md generates its table from both). They
 are read at each use, not at import, so a process may change them between calls.
 """
@@ -39,13 +39,13 @@ class LibrarySettings(BaseSettings):
                               "fit nginx's 8 KiB header line)")
     store_rows: Literal["auto", "blocks", "slices"] = Field(
         "auto", description="how a row-split tensor's rows are fetched from a store: `auto`, whichever costs less by "
-        "the store's measured costs (reshard.io.readcost); `blocks`, the row block that covers them (one request for "
+        "the store's measured costs (reshard.io.source.readcost); `blocks`, the row block that covers them (one request for "
         "many rows, up to tp times the bytes); `slices`, each row's slice (several per request where the server "
         "answers several ranges, else one request each)")
     store_bandwidth: float = Field(0.0, ge=0, description="bytes per second a node gets from the store, for pricing "
-                                   "reads (reshard.io.readcost); 0: measured from the process's own requests")
+                                   "reads (reshard.io.source.readcost); 0: measured from the process's own requests")
     store_request_cost: float = Field(0.0, ge=0, description="seconds one store request costs, for pricing reads "
-                                      "(reshard.io.readcost); 0: measured from the process's own requests")
+                                      "(reshard.io.source.readcost); 0: measured from the process's own requests")
     store_retries: int = Field(5, ge=0, description="retries of a failed store request")
     store_timeout: float = Field(60.0, gt=0, description="seconds a store request may take")
     verified_dir: str = Field("", description="where the identities of rank files whose sha256 was verified are "

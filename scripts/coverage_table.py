@@ -1,12 +1,12 @@
 """The architecture coverage table of docs/transformers.md, from the plan tests' results.
 
-    .venv/bin/python scripts/coverage_table.py --run     # run tests/plans, record results, update the docs
+    .venv/bin/python scripts/coverage_table.py --run     # run tests/rules/tp_plans, record results, update the docs
     .venv/bin/python scripts/coverage_table.py           # update the docs from the recorded results
     .venv/bin/python scripts/coverage_table.py --check   # exit 1 if the docs' tables are not the recorded ones
 
 `render` makes the table; `scripts/gen_docs.py` puts it (with every other generated table) in place.
 
-Results: `tests/plans/results/coverage.json`, written by the plan tests when $RESHARD_COVERAGE_OUT
+Results: `tests/rules/tp_plans/results/coverage.json`, written by the plan tests when $RESHARD_COVERAGE_OUT
 names it. The trainer column reads `bench/results/trainer_support.json` (written by
 `python -m bench.trainer_support`: tp=2 logits of reshard's trainer vs `from_pretrained`), else shows "-".
 """
@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "tests/plans/results/coverage.json"
+RESULTS = ROOT / "tests/rules/tp_plans/results/coverage.json"
 TRAINER = ROOT / "bench/results/trainer_support.json"
 
 
@@ -59,14 +59,14 @@ def render(results: dict, trainer: dict | None) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--run", action="store_true", help="run tests/plans first to record fresh results")
+    parser.add_argument("--run", action="store_true", help="run tests/rules/tp_plans first to record fresh results")
     parser.add_argument("--check", action="store_true", help="only check that the docs hold the recorded tables")
     args = parser.parse_args(argv)
     if args.run:
         env = {**os.environ, "RESHARD_COVERAGE_OUT": str(RESULTS)}
-        rc = subprocess.call([sys.executable, "-m", "pytest", "tests/plans", "-q"], cwd=ROOT, env=env)
+        rc = subprocess.call([sys.executable, "-m", "pytest", "tests/rules/tp_plans", "-q"], cwd=ROOT, env=env)
         if rc != 0:
-            print("tests/plans failed; the docs not updated", file=sys.stderr)
+            print("tests/rules/tp_plans failed; the docs not updated", file=sys.stderr)
             return rc
     import gen_docs  # beside this script; it imports `render` from here
 

@@ -7,11 +7,11 @@
     .venv/bin/python scripts/gen_docs.py           # rewrite the tables in docs/*.md
     .venv/bin/python scripts/gen_docs.py --check   # exit 1 if a committed table differs from what this makes
 
-Sources: the service settings class (`reshard.service.settings.Settings`, before the move
+Sources: the service settings class (`reshard.service.serve_settings.Settings`, before the move
 `service.settings.Settings`) and the flags of `reshard serve`; the library's settings class
 (`reshard.settings.LibrarySettings`); the benchmark results in
 `bench/results/` (`quick.json`, `full.json` from `./run bench [--full]`, `stores.md`, `s3_write.md`,
-`trainer_support.json`); the plan tests' results `tests/plans/results/coverage.json` (rendered by
+`trainer_support.json`); the plan tests' results `tests/rules/tp_plans/results/coverage.json` (rendered by
 `scripts/coverage_table.py`). Only the text between the markers is touched.
 """
 
@@ -61,9 +61,9 @@ def _fmt(x: Any, spec: str) -> str:
 def settings_class() -> type:
     """The service's pydantic Settings: its new home first, then the one before the move."""
     try:
-        from reshard.service.settings import Settings
+        from reshard.service.serve_settings import Settings
     except ModuleNotFoundError as e:
-        if e.name not in ("reshard.service", "reshard.service.settings"):
+        if e.name not in ("reshard.service", "reshard.service.serve_settings"):
             raise
         from service.settings import Settings  # type: ignore[no-redef]
     return Settings
@@ -390,7 +390,7 @@ def gen_coverage() -> str:
     return render(results, trainer)
 
 
-LAYOUTS = ROOT / "tests" / "layouts" / "results" / "combinations.json"
+LAYOUTS = ROOT / "tests" / "layout" / "results" / "combinations.json"
 
 
 def _by_value(archs: dict[str, dict[str, str]], key: str) -> list[tuple[str, list[str]]]:
@@ -415,7 +415,7 @@ def gen_layouts() -> str:
             cell = "; ".join(("yes" if v == "loads" else f"no: `{v}`") + f" ({', '.join(labels)})" for v, labels in loads)
         equal = "; ".join(f"{v} ({', '.join(labels)})" for v, labels in _by_value(c["archs"], "reshard"))
         rows.append([sizes, c["world"], cell, equal])
-    head = (f"From `tests/layouts/results/combinations.json` (`RESHARD_LAYOUTS_OUT=... pytest tests/layouts`), "
+    head = (f"From `tests/layout/results/combinations.json` (`RESHARD_LAYOUTS_OUT=... pytest tests/layout`), "
             f"transformers {data['transformers_version']}.")
     return "\n".join([head, "", *_table(["combination", "ranks", "transformers loads it", "reshard's rank files"], rows)])
 

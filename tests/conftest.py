@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +32,8 @@ os.environ.setdefault("RESHARD_IMPORT_CACHE_DIR", _IMPORTS.name)
 
 import pytest  # noqa: E402
 
+from reshard.rules import kinds as loaders  # noqa: E402
+from tests.support.fs import KINDS, Mount, MountError, get_mount  # noqa: E402
 from tests.support.live import BIG, SMALL_CKPTS, CuttingProxy, make_ckpt  # noqa: E402
 
 TIERS = ("pure", "multiproc", "servers", "e2e")
@@ -101,3 +105,47 @@ def ckpt_factory() -> Any:
 def cutting_proxy() -> Any:
     return CuttingProxy
 
+
+
+@pytest.fixture(autouse=True)
+def _registry_unchanged() -> Iterator[None]:
+    """Every test leaves the kind registry exactly as it found it."""
+    before = dict(loaders._REGISTRY)
+    yield
+    assert loaders._REGISTRY == before, "a test left the loader registry changed"
+
+
+# --- small file systems (tests/io, tests/trainer) ------------------------------------------------------
+
+MOUNT_MB = 24
+
+
+@pytest.fixture(scope="session")
+def mounts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Mount | str]]:
+    """kind -> Mount (a small ext4 and a small tmpfs, unmounted at the end even on failure), or kind -> the
+    reason it could not be mounted."""
+    base = tmp_path_factory.mktemp("mounts")
+    made: dict[str, Mount | str] = {}
+    try:
+        for kind in KINDS:
+            try:
+                made[kind] = Mount.create(kind, base / kind, size_mb=MOUNT_MB)
+            except MountError as e:
+                made[kind] = str(e)
+                print(f"\noutput tests on {kind} skip: {e}", file=sys.stderr)
+        yield made
+    finally:
+        for m in made.values():
+            if isinstance(m, Mount):
+                m.destroy()
+
+
+@pytest.fixture(params=KINDS)
+def fs(request: pytest.FixtureRequest, mounts: dict[str, Mount | str]) -> Iterator[Mount]:
+    """Each small file system in turn; left writable, freed and empty afterwards."""
+    m = get_mount(mounts, request.param)
+    m.clean()
+    try:
+        yield m
+    finally:
+        m.clean()

@@ -9,13 +9,13 @@ from pathlib import Path
 from typing import Any
 
 from reshard.errors import PlanError
-from reshard.io.mapped import MAPS
 from reshard.io.progress import add_progress_flags, human
-from reshard.io.sources import open_source
-from reshard.io.store_writer import write_shards_to_store
-from reshard.io.stores import is_url
+from reshard.io.sinks.store_writer import write_shards_to_store
+from reshard.io.sinks.writer import write_shards as write_to_dir
+from reshard.io.source.mapped_files import MAPS
+from reshard.io.source.opener import open_source
+from reshard.io.source.stores import is_url
 from reshard.io.verified import record_written
-from reshard.io.writer import write_shards as write_to_dir
 from reshard.layout.mesh import Layout
 from reshard.plan.planner import make_plan
 from reshard.plan.types import Plan, plan_to_json, rank_file_name
@@ -124,7 +124,7 @@ def add_commands(sub: Any) -> None:
 
 
 def cmd_pull(args: argparse.Namespace) -> int:
-    from reshard.io.client import ShardClient  # httpx only when pulling
+    from reshard.io.client.shard_client import ShardClient  # httpx only when pulling
 
     if args.meta:
         return _pull_meta(args)
@@ -148,7 +148,7 @@ def cmd_pull(args: argparse.Namespace) -> int:
 
 
 def _pull_meta(args: argparse.Namespace) -> int:
-    from reshard.io.client import ShardClient
+    from reshard.io.client.shard_client import ShardClient
 
     if not args.out:
         raise PlanError("reshard pull --meta: give the directory to copy the files into with -o DIR")

@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING, Any
 
 from reshard.errors import ReshardError
 from reshard.format.checkpoint import Checkpoint
-from reshard.io.merge import merge
 from reshard.io.progress import human
-from reshard.io.shards import ShardSet
+from reshard.io.sinks.hf_checkpoint import merge
+from reshard.io.source.rank_dir import ShardSet
 
 if TYPE_CHECKING:
     import torch

@@ -26,7 +26,7 @@ Nothing else runs there: no model is built (but a one-layer copy on the meta dev
 transformers' first build), no tensor op runs. Before those imports, `--prefetch URL` forks one
 fetcher per rank that pulls the rank's shard of tp=WORLD_SIZE from the service into shared memory
 while the launcher imports; the rank's `fill_model(model, URL)` (or the trainer's `--shards URL`) then
-maps it (`reshard.io.shard_prefetch`): the transfer overlaps the imports. That pays where the network is
+maps it (`reshard.io.client.shard_prefetch`): the transfer overlaps the imports. That pays where the network is
 the bottleneck (bench/compare_link.py), and on few cores too: the imports run on one thread, and the
 fetchers, at the lowest CPU priority, take the cores they leave idle.
 
@@ -66,7 +66,7 @@ from typing import Any
 from reshard.errors import ReshardError
 
 PROG = "reshard launch"
-PREFETCH_ENV = "RESHARD_PREFETCH"  # reshard.io.shard_prefetch.ENV, named here so that the launcher imports nothing early
+PREFETCH_ENV = "RESHARD_PREFETCH"  # reshard.io.client.shard_prefetch.ENV, named here so that the launcher imports nothing early
 MODULES = ("torch", "torch.distributed", "torch.distributed.tensor", "transformers", "transformers.modeling_utils",
            "reshard.fill")
 TRAINER = "reshard.cli.train"
@@ -123,11 +123,11 @@ def trainer_source(args: argparse.Namespace) -> str | None:
 
 
 def prefetch(args: argparse.Namespace) -> dict[int, dict[str, Any]]:
-    """Fork one fetcher per local rank (`reshard.io.shard_prefetch`); local rank -> what the rank needs to find it."""
+    """Fork one fetcher per local rank (`reshard.io.client.shard_prefetch`); local rank -> what the rank needs to find it."""
     url = args.prefetch
     if not url or not url.startswith(("http://", "https://")) or "/v1/checkpoints/" not in url:
         return {}
-    from reshard.io import shard_prefetch as fetch
+    from reshard.io.client.shard_client import shard_prefetch as fetch
 
     world = args.nnodes * args.nproc_per_node
     return {local: fetch.start(url, args.node_rank * args.nproc_per_node + local, world)
@@ -153,7 +153,7 @@ def preload(args: argparse.Namespace) -> list[str]:
         importlib.import_module(name)
     sources = args.preload or [s for s in [trainer_source(args)] if s]
     if sources and "transformers" in sys.modules:
-        from reshard.fill.hf import import_model_class
+        from reshard.fill.empty_model import import_model_class
 
         for source in sources:
             try:

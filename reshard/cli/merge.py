@@ -1,4 +1,4 @@
-"""`reshard merge SHARDS -o OUT`: rank shards back to a full HF checkpoint (`reshard.io.merge`)."""
+"""`reshard merge SHARDS -o OUT`: rank shards back to a full HF checkpoint (`reshard.io.sinks.hf_checkpoint`)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import argparse
 import json
 from typing import Any
 
-from reshard.io.merge import DEFAULT_MAX_FILE, merge
 from reshard.io.progress import add_progress_flags, human
+from reshard.io.sinks.hf_checkpoint import DEFAULT_MAX_FILE, merge
 from reshard.layout.mesh import Layout
 
 

@@ -15,7 +15,7 @@ from reshard.errors import ReshardError
 def _settings(args: argparse.Namespace) -> Any:
     from pydantic import ValidationError
 
-    from reshard.service.settings import Settings
+    from reshard.service.serve_settings import Settings
 
     flags = {
         "root": args.root, "host": args.host, "port": args.port, "token": args.token, "out": args.out,
@@ -36,15 +36,15 @@ def _settings(args: argparse.Namespace) -> Any:
 def cmd_serve(args: argparse.Namespace) -> int:
     settings = _settings(args)
     if settings.workers > 1:
-        from reshard.service.workers import serve_workers
+        from reshard.service.process.workers import serve_workers
 
         return serve_workers(settings, workers=settings.workers, access_log=not args.no_access_log)
 
     import uvicorn
 
-    from reshard.service.app import create_app
-    from reshard.service.process import enable_mapped_reads
-    from reshard.service.workers import uvicorn_options
+    from reshard.service.api.app import create_app
+    from reshard.service.process.lifecycle import enable_mapped_reads
+    from reshard.service.process.workers import uvicorn_options
 
     enable_mapped_reads(settings)
     app = create_app(settings)  # its lifespan stops write jobs at SIGTERM, before uvicorn drains connections

@@ -13,7 +13,7 @@ shape is compared, and for a DTensor the global indices it holds (as DTensor chu
 `_StridedShard`, uneven last ranks) are compared with the selection the shard's self-description
 records. Any disagreement is one `PlanError` naming each parameter, both shapes and both layouts,
 with missing and unexpected names listed; nothing is filled then. The bytes then go straight into the
-parameters (`reshard.fill.stream.fill_parameters`), cast where the dtypes differ, sha256 checked.
+parameters (`reshard.fill.into_params.fill_parameters`), cast where the dtypes differ, sha256 checked.
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ from torch.distributed import ProcessGroup
 
 from reshard.errors import CheckpointError, PlanError
 from reshard.fill.experts import Held, expert_views, partly_covered, shard_layout, uncovered
+from reshard.fill.into_params import RankHeader, fill_parameters, read_header_from
 from reshard.fill.open import open_rank_stream
-from reshard.fill.stream import RankHeader, fill_parameters, read_header_from
-from reshard.format.tensors import TORCH_DTYPES
+from reshard.format.torch_side import TORCH_DTYPES
 from reshard.layout.mesh import Layout
 from reshard.tp.comm import tp_rank, tp_world_size
 
@@ -53,7 +53,7 @@ class FillReport:
     casts: dict[str, tuple[str, str]] = field(default_factory=dict)
     fused: int = 0
     layout: Layout | None = None
-    mapped: int = 0  # bytes bound to the rank file's mapping, not copied (reshard.fill.mapped)
+    mapped: int = 0  # bytes bound to the rank file's mapping, not copied (reshard.fill.mapped_params)
     verified: str = "none"  # sha256 (hashed), identity (unchanged since verified), none (no digest recorded)
 
     def __str__(self) -> str:
@@ -77,7 +77,7 @@ def fill_model(model: nn.Module, source: str | Path, *, group: ProcessGroup | No
     1-D mesh, else the world); the rank is this process's global rank (the group's, for TP).
 
     From a local rank file, `mapped` makes the parameters that hold its bytes as they are views of a
-    private mapping of it (`reshard.fill.mapped`: no copy; False copies every byte), and `verify="auto"`
+    private mapping of it (`reshard.fill.mapped_params`: no copy; False copies every byte), and `verify="auto"`
     trusts its recorded sha256 while the file is unchanged since it was verified or written
     (`reshard.io.verified`; "always" hashes it every time). The service's bytes are always hashed."""
     t0 = time.perf_counter()

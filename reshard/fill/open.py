@@ -2,7 +2,7 @@
 
 `open_rank_stream` is how `fill_model` and the trainer reach their bytes; a URL is pulled from the
 service (only this rank's shard), a directory's rank file is read; both straight into the caller's
-buffers (`reshard.io.body`).
+buffers (`reshard.io.client.body`).
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from typing import Any
 
 from reshard.errors import CheckpointError
 from reshard.format.checkpoint import CONFIG_NAME, MANIFEST_NAME
-from reshard.io.body import ShardBody, file_body, get_json
-from reshard.io.shard_prefetch import take as take_prefetched
-from reshard.io.shards import RANK_FILE
-from reshard.io.stores import is_url
-from reshard.io.wire import checkpoint_url
+from reshard.io.client.body import ShardBody, file_body, get_json
+from reshard.io.client.shard_prefetch import take as take_prefetched
+from reshard.io.client.wire import checkpoint_url
+from reshard.io.source.rank_dir import RANK_FILE
+from reshard.io.source.stores import is_url
 from reshard.layout.mesh import Layout
 from reshard.plan.types import rank_file_name
 

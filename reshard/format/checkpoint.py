@@ -140,7 +140,7 @@ def files_identity(files: list[FileInfo]) -> dict[str, Any]:
 
 class Directory(Protocol):
     """Where a checkpoint's files are: a local directory (`LocalDirectory`) or a prefix in a store or
-    on an HTTP server (`reshard.io.remote_dir.RemoteDirectory`). Names are plain file names."""
+    on an HTTP server (`reshard.io.source.remote_dir.RemoteDirectory`). Names are plain file names."""
 
     root: Any  # Path, or RemotePath for a store
 
@@ -182,7 +182,7 @@ class LocalDirectory:
 
 
 class Source(Protocol):
-    """What a plan reads: a checkpoint, or a directory of rank shards (`reshard.io.shards.ShardSet`)."""
+    """What a plan reads: a checkpoint, or a directory of rank shards (`reshard.io.source.rank_dir.ShardSet`)."""
 
     root: Path
     files: list[FileInfo]

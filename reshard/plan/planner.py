@@ -32,9 +32,9 @@ from reshard.gcpause import paused_gc
 from reshard.layout.mesh import MAX_WORLD, Layout
 from reshard.layout.placement import FORMAT, Placement
 from reshard.layout.roles import source_roles
+from reshard.plan.planned import PlannedTensors, _Layout, _Lazy
 from reshard.plan.reads import bytes_read
 from reshard.plan.segments import segments_for
-from reshard.plan.tensors import PlannedTensors, _Layout, _Lazy
 from reshard.plan.types import OutTensor, Plan, RankPlan, source_files
 from reshard.rules.manifest import Manifest, Rule
 

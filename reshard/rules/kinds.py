@@ -93,7 +93,7 @@ class SliceLoader:
 
     def load(self, handle: Any, rank: int, world_size: int) -> torch.Tensor:
         """Read this rank's piece from a `safe_open(...).get_slice(name)` handle."""
-        from reshard.format.tensors import TORCH_DTYPES, read_selection  # torch only when loading
+        from reshard.format.torch_side import TORCH_DTYPES, read_selection  # torch only when loading
 
         shape = tuple(handle.get_shape())
         sel = self.select(shape, rank, world_size)

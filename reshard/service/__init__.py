@@ -10,11 +10,11 @@ __all__ = ["Settings", "create_app"]
 
 def __getattr__(name: str) -> Any:
     if name == "create_app":
-        from reshard.service.app import create_app
+        from reshard.service.api.app import create_app
 
         return create_app
     if name == "Settings":
-        from reshard.service.settings import Settings
+        from reshard.service.serve_settings import Settings
 
         return Settings
     raise AttributeError(name)

@@ -26,14 +26,14 @@ from reshard.errors import ManifestError, NotFoundError, PlanError, RegistryErro
 from reshard.format.checkpoint import CONFIG_NAME, INDEX_NAME, Checkpoint
 from reshard.gcpause import paused_gc
 from reshard.io.outfs import write_json_atomic
-from reshard.io.sources import checkpoint_manifest
+from reshard.io.source.opener import checkpoint_manifest
 from reshard.layout.mesh import Layout
 from reshard.plan.planner import LayoutPlanner, as_layout, make_plan, make_planner, resolve_rules
 from reshard.plan.types import Plan, RankPlan
 from reshard.rules.engines import apply_engine
 from reshard.rules.manifest import Manifest
-from reshard.service.errors import BadRequest
-from reshard.service.settings import Settings
+from reshard.service.http_errors import BadRequest
+from reshard.service.serve_settings import Settings
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 DEFAULT_LABEL = "default"

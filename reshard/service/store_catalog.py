@@ -13,12 +13,12 @@ from typing import Any
 
 from reshard.errors import NotFoundError
 from reshard.format.checkpoint import CONFIG_NAME, INDEX_NAME, SINGLE_NAME, Checkpoint
-from reshard.io.remote_dir import RemoteDirectory
-from reshard.io.stores import RemotePath, store_for
+from reshard.io.source.remote_dir import RemoteDirectory
+from reshard.io.source.stores import RemotePath, store_for
 from reshard.rules.from_config import RULES_FILES
 from reshard.service.catalog import _WATCHED, Catalog, StatKey, check_name, valid_name
-from reshard.service.errors import BadRequest
-from reshard.service.settings import Settings
+from reshard.service.http_errors import BadRequest
+from reshard.service.serve_settings import Settings
 
 _PROBED = (INDEX_NAME, SINGLE_NAME, CONFIG_NAME, *RULES_FILES)  # what a root that cannot list is asked for
 

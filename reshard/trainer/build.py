@@ -13,15 +13,15 @@ import torch
 from torch.distributed import ProcessGroup
 
 from reshard.errors import CheckpointError
-from reshard.fill.hf import hf_config, init_buffers
+from reshard.fill.empty_model import hf_config, init_buffers
+from reshard.fill.into_params import RankHeader, fill_parameters, read_header_from
 from reshard.fill.open import open_rank_stream
-from reshard.fill.stream import RankHeader, fill_parameters, read_header_from
-from reshard.format.tensors import TORCH_DTYPES
+from reshard.format.torch_side import TORCH_DTYPES
 from reshard.layout.mesh import Layout
 from reshard.rules.quant.dequant import Dequantizer
 from reshard.tp.comm import tp_rank, tp_world_size
 from reshard.trainer.adjust import install_gradient_sums
-from reshard.trainer.hf import meta_model, retie, tied_pair
+from reshard.trainer.meta_model import meta_model, retie, tied_pair
 from reshard.trainer.names import shard_targets
 from reshard.trainer.parallel import parallelize
 

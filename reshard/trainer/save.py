@@ -8,11 +8,11 @@ from pathlib import Path
 
 from torch import nn
 
-from reshard.fill.stream import RankHeader, byte_view
+from reshard.fill.into_params import RankHeader, byte_view
 from reshard.format.checkpoint import CONFIG_NAME, DTYPE_SIZES, encode_header
-from reshard.format.tensors import DTYPE_NAMES
+from reshard.format.torch_side import DTYPE_NAMES
 from reshard.io.outfs import atomic_file, check_space, output_errors, prepare_dir, write_json_atomic
-from reshard.io.writer import MANIFEST_NAME
+from reshard.io.sinks.writer import MANIFEST_NAME
 from reshard.plan.types import data_order, rank_file_name, rank_metadata
 from reshard.trainer.names import shard_targets
 

@@ -1,4 +1,4 @@
-"""`fill_parameters` from a body that reads into memory (`reshard.io.body`): the bytes land in the
+"""`fill_parameters` from a body that reads into memory (`reshard.io.client.body`): the bytes land in the
 parameters' own storage, a file cut short mid-way says which tensors were filled, a wrong digest is
 refused after the last byte."""
 
@@ -14,9 +14,9 @@ from safetensors.torch import load_file
 
 import reshard
 from reshard.errors import IntegrityError
+from reshard.fill.into_params import fill_parameters, read_header_from
 from reshard.fill.model import match_targets
-from reshard.fill.stream import fill_parameters, read_header_from
-from reshard.io.body import file_body
+from reshard.io.client.body import file_body
 
 pytestmark = pytest.mark.pure
 

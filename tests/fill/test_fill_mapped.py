@@ -1,4 +1,4 @@
-"""`fill_model` from local rank files without a copy (`reshard.fill.mapped`) and the sha256 off the critical
+"""`fill_model` from local rank files without a copy (`reshard.fill.mapped_params`) and the sha256 off the critical
 path (`reshard.io.verified`): parameters that are views of the file where claimed, copies where a cast or
 a fused expert parameter needs one, values equal to transformers' own load; a corrupt, truncated or
 rewritten file refused in every mode that verifies; a writer of a mapped file waits until the model has
@@ -20,8 +20,8 @@ from safetensors.torch import load_file
 
 import reshard
 from reshard.errors import IntegrityError
-from reshard.fill.stream import read_header_from
-from reshard.io.body import file_body
+from reshard.fill.into_params import read_header_from
+from reshard.io.client.body import file_body
 from tests.support.fill_checks import ids_for
 from tests.support.live import LoopbackProxy
 

@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from reshard.io.outfs import TMP_PREFIX
-from reshard.io.writer import MANIFEST_NAME
+from reshard.io.sinks.writer import MANIFEST_NAME
 from reshard.plan.types import rank_file_name
 from tests.support.hard import live_server, metric, wait_for
 from tests.support.live import REPO, LiveServer, make_ckpt

@@ -27,14 +27,14 @@ import pytest
 from fastapi.testclient import TestClient
 
 from bench.moe_data import moe_checkpoint
-from reshard.io.sources import open_source
+from reshard.io.source.opener import open_source
 from reshard.plan.planner import make_plan
 from reshard.plan.types import plan_to_json
 from reshard.rules.manifest import Manifest
 from reshard.service import Settings, create_app
+from reshard.service.api.routers import checkpoints
 from reshard.service.catalog import Catalog
-from reshard.service.ranges import shard_etag
-from reshard.service.routers import checkpoints
+from reshard.service.transport.ranges import shard_etag
 from tests.support import hard
 from tests.support.live import LiveServer, make_ckpt
 

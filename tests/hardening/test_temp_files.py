@@ -232,7 +232,7 @@ def test_job_of_a_killed_worker_fails_and_leaves_nothing(big: Path, ext4_out: Pa
 
 # --- a copy of gathered pieces whose worker is SIGKILLed ---------------------------------------------------
 
-COPY_TEMP = re.compile(r".+\.(\d+)-\d+\.tmp")  # reshard.service.gathered: NAME.PID-START.tmp
+COPY_TEMP = re.compile(r".+\.(\d+)-\d+\.tmp")  # reshard.service.transport.gathered: NAME.PID-START.tmp
 
 
 def _pull_quietly(url: str) -> None:

@@ -13,11 +13,11 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from reshard.io.sources import open_source
+from reshard.io.source.opener import open_source
 from reshard.plan.planner import make_plan
 from reshard.plan.types import plan_to_json
 from reshard.service import Settings, create_app
-from reshard.service.ranges import parse_range
+from reshard.service.transport.ranges import parse_range
 
 pytestmark = [pytest.mark.pure, pytest.mark.timeout(120)]
 

@@ -1,4 +1,4 @@
-"""`reshard.io.body.ShardBody` against the live server: the shard's bytes straight into the caller's
+"""`reshard.io.client.body.ShardBody` against the live server: the shard's bytes straight into the caller's
 buffers, resumed after broken connections, a changed shard refused, the server's errors raised as the
 client raises them, and the digest the bytes must have."""
 
@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from reshard.errors import IntegrityError, NotFoundError, PlanError, ReshardError
-from reshard.io.body import ShardBody, file_body
+from reshard.io.client.body import ShardBody, file_body
 from reshard.plan.types import rank_file_name
 from tests.support.live import BIG, LiveServer
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from reshard.service.buffers import ChunkPool
+from reshard.service.transport.buffers import ChunkPool
 
 pytestmark = pytest.mark.pure
 

@@ -1,4 +1,4 @@
-"""`reshard.io.client` against the live server: pull, read, resume, broken connections, integrity, CLI."""
+"""`reshard.io.client.shard_client` against the live server: pull, read, resume, broken connections, integrity, CLI."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from reshard.errors import IntegrityError, NotFoundError, PlanError, ReshardError
-from reshard.io.client import ShardClient
+from reshard.io.client.shard_client import ShardClient
 from reshard.plan.types import rank_file_name
 from tests.support.live import BIG, LiveServer
 

@@ -1,4 +1,4 @@
-"""Error answers name no server path (`reshard.service.errors.ServerPaths`): what is under the root
+"""Error answers name no server path (`reshard.service.http_errors.ServerPaths`): what is under the root
 relative to it, the output / state / gather directories by name, anything else as `.../last part`; a
 full disk answered from a real `reshard serve --workers 2` (an ext4 image with no block left) shows
 none of the mount's paths and logs no traceback. Also: `HEAD /healthz`, the head-limit settings and
@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from reshard.errors import NoSpaceError, ReadOnlyError
-from reshard.service.errors import ServerPaths, response_for, typed
+from reshard.service.http_errors import ServerPaths, response_for, typed
 from tests.support import hard
 from tests.support.fs import Mount, mounted
 from tests.support.live import make_ckpt
@@ -52,7 +52,7 @@ def test_server_paths_hide(text: str, shown: str) -> None:
 
 @pytest.mark.pure
 def test_server_paths_of_settings(tmp_path: Path) -> None:
-    from reshard.service.settings import Settings
+    from reshard.service.serve_settings import Settings
 
     (tmp_path / "root").mkdir()
     s = Settings(root=tmp_path / "root", out=tmp_path / "out", state=tmp_path / "st", gather_dir=tmp_path / "g")
@@ -67,7 +67,7 @@ def test_server_paths_of_settings(tmp_path: Path) -> None:
 def test_paths_with_spaces_are_hidden_whole(tmp_path: Path) -> None:
     """A path of the server with spaces in it: none of its directories shows, whether it is one of the
     service's own (OUT...) or another (where a space used to end the path: `.../my` + ` models/x`)."""
-    from reshard.service.settings import Settings
+    from reshard.service.serve_settings import Settings
 
     base = tmp_path / "my models"
     (base / "root").mkdir(parents=True)
@@ -96,8 +96,8 @@ def test_unnamed_os_errors_are_typed_without_a_path_or_free_space() -> None:
 def test_head_healthz_in_process(tmp_path: Path) -> None:
     from fastapi.testclient import TestClient
 
-    from reshard.service.app import create_app
-    from reshard.service.settings import Settings
+    from reshard.service.api.app import create_app
+    from reshard.service.serve_settings import Settings
 
     with TestClient(create_app(Settings(root=tmp_path, token="t"))) as c:
         get, head = c.get("/healthz"), c.head("/healthz")
@@ -111,9 +111,9 @@ def test_head_limit_settings_flags_and_protocol(tmp_path: Path) -> None:
     import argparse
 
     from reshard.cli.serve import _settings, add_commands
-    from reshard.service.protocol import BoundedProtocol, HeadLimits
-    from reshard.service.workers import http_protocol, uvicorn_options
-    from reshard.service.zerocopy import ZeroCopyProtocol
+    from reshard.service.process.workers import http_protocol, uvicorn_options
+    from reshard.service.transport.protocol import BoundedProtocol, HeadLimits
+    from reshard.service.transport.zerocopy import ZeroCopyProtocol
 
     parser = argparse.ArgumentParser()
     add_commands(parser.add_subparsers())
@@ -210,7 +210,7 @@ def test_a_cancelled_cold_sendfile_logs_no_traceback(tmp_path: Path, monkeypatch
     import socket
     import threading
 
-    from reshard.service import zerocopy
+    from reshard.service.transport import zerocopy
 
     data = tmp_path / "blob"
     data.write_bytes(os.urandom(1 << 20))

@@ -1,4 +1,4 @@
-"""Copies of gathered (row-split) pieces, `reshard.service.gathered`, against a real two-worker `reshard serve`:
+"""Copies of gathered (row-split) pieces, `reshard.service.transport.gathered`, against a real two-worker `reshard serve`:
 the bytes every pull gets (whole and ranges) are `reshard write`'s, the copy holds exactly the plan's
 gathered pieces, later pulls send them with sendfile, and changes, eviction, disconnects and an
 unusable directory behave."""
@@ -14,12 +14,12 @@ from typing import Any
 import httpx
 import pytest
 
-from reshard.io.sources import open_source
+from reshard.io.source.opener import open_source
 from reshard.plan.planner import make_plan
 from reshard.plan.reads import Interleave, Segment
 from reshard.plan.types import rank_file_name
-from reshard.service.gathered import LEAD
-from reshard.service.pump import DIRECT_MIN
+from reshard.service.transport.gathered import LEAD
+from reshard.service.transport.pump import DIRECT_MIN
 from tests.support.live import BIG, LiveServer, live_server, make_ckpt, metric, raw_request, sendfile_bytes
 
 pytestmark = [pytest.mark.servers, pytest.mark.timeout(180)]

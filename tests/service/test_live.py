@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from reshard.io.client import ShardClient
+from reshard.io.client.shard_client import ShardClient
 from reshard.plan.types import rank_file_name
 from tests.support.live import (
     BIG,
@@ -140,7 +140,7 @@ def test_concurrent_pulls_byte_correct_and_memory_bounded(server: LiveServer, wr
 def test_contiguous_ranges_go_out_by_sendfile(server: LiveServer, ckpt_root: Path, written: Any) -> None:
     """Once a shard's digest is known, its contiguous source ranges are sent by the kernel (whole
     bodies and ranges alike), with the same bytes; `--no-zero-copy` sends none that way."""
-    # new mtimes, so no copy of gathered pieces (reshard.service.gathered) from earlier pulls serves this one
+    # new mtimes, so no copy of gathered pieces (reshard.service.transport.gathered) from earlier pulls serves this one
     shutil.copytree(ckpt_root / BIG, ckpt_root / "fresh-sendfile", copy_function=shutil.copyfile)
     want = (written(BIG, 2) / rank_file_name(1, 2)).read_bytes()
     url, params = shard_url(server, "fresh-sendfile", 1), {"tp": 2}

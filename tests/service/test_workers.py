@@ -163,7 +163,7 @@ def test_signal_storm_never_deadlocks_the_stop() -> None:
     a worker hung in `Event.set` nested six deep)."""
     script = r'''
 import os, signal, sys, threading, time
-from reshard.service.process import stop_on_signals
+from reshard.service.process.lifecycle import stop_on_signals
 signal.signal(signal.SIGTERM, lambda *a: None)  # the "previous" handler: uvicorn's sets a flag
 stopping = threading.Event()
 calls = []

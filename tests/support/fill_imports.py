@@ -15,7 +15,7 @@ def plain_model(entries: dict) -> object:
     import torch
     from torch import nn
 
-    from reshard.format.tensors import TORCH_DTYPES
+    from reshard.format.torch_side import TORCH_DTYPES
 
     root = nn.Module()
     for name, e in entries.items():
@@ -36,8 +36,8 @@ def main(path: str, url: str | None) -> dict:
     import torch
     from safetensors import safe_open
 
-    from reshard.fill.stream import read_header_from
-    from reshard.io.body import file_body
+    from reshard.fill.into_params import read_header_from
+    from reshard.io.client.body import file_body
 
     body = file_body(path)
     header, _ = read_header_from(body, path)

@@ -330,9 +330,9 @@ def raw_request(srv: LiveServer, target: str, *, read: int = 0) -> bytes:
 def sendfile_bytes(ckpt: Path, tp: int, rank: int, lo: int, hi: int) -> int:
     """Bytes of [lo, hi) of the rank file in contiguous ranges of a source file at least DIRECT_MIN
     long (within [lo, hi)): what the server should hand to sendfile, from the plan's segments."""
-    from reshard.io.sources import open_source
+    from reshard.io.source.opener import open_source
     from reshard.plan.planner import make_plan
-    from reshard.service.pump import DIRECT_MIN
+    from reshard.service.transport.pump import DIRECT_MIN
 
     src, manifest = open_source(ckpt)
     rp = make_plan(src, manifest, tp).ranks[rank]

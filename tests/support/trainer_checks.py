@@ -109,8 +109,8 @@ once (those mapped from the rank file are resident only then), and its parameter
     """
     import json
 
-    from reshard.fill.hf import hf_config, init_buffers
-    from reshard.trainer.hf import meta_model
+    from reshard.fill.empty_model import hf_config, init_buffers
+    from reshard.trainer.meta_model import meta_model
 
     torch.set_num_threads(1)
     torch.nn.Linear(2, 2, device="meta").to_empty(device="cpu")

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from reshard.errors import CheckpointError
-from reshard.io.merge import merge
+from reshard.io.sinks.hf_checkpoint import merge
 from reshard.plan.types import rank_file_name
 from reshard.trainer import build_model
 from tests.support.trainer_archs import ARCHS, GRADS, IDS, MOE_ARCHS, TP4, hf_config

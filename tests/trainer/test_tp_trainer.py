@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from reshard.io.merge import merge
+from reshard.io.sinks.hf_checkpoint import merge
 from reshard.plan.types import rank_file_name
 from reshard.testing.synth import llama_config, make_checkpoint
 from reshard.trainer import build_model

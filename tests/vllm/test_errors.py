@@ -5,7 +5,7 @@ Each case builds vLLM's own model in this process and runs the plugin's loader o
 does not fit its place in vLLM's parameter (rules stored on the service that replicate the vocabulary),
 two shard tensors for one place, pipeline parallelism, a quantized model, a token the service wants and
 did not get. Rank files cut transformers' way, shards of another tp, FP8 shards and the loader's options
-are refused before vLLM's model is touched, and are checked without vLLM (tests/core/test_engines.py).
+are refused before vLLM's model is touched, and are checked without vLLM (tests/rules/test_engines.py).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from reshard.io.client import ShardClient
+from reshard.io.client.shard_client import ShardClient
 
 LOAD_FORMAT = "reshard"
 _registered = False

@@ -22,8 +22,8 @@ import torch
 from torch import nn
 
 from reshard.errors import CheckpointError, PlanError
+from reshard.fill.into_params import RankHeader, iter_tensors, read_header_from
 from reshard.fill.open import open_rank_stream
-from reshard.fill.stream import RankHeader, iter_tensors, read_header_from
 from reshard.integrations.vllm.places import place_for
 from reshard.rules.engines import VLLM_VOCAB_ALIGN, is_vocab_split
 

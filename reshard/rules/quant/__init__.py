@@ -9,7 +9,7 @@
 Importing `reshard.rules` imports this package's kinds, so recorded kinds resolve everywhere.
 """
 
-from reshard.rules.quant import kinds
+from reshard.rules.quant import fp8_kinds as kinds
 from reshard.rules.quant.scheme import Scheme, register_quant_method, scheme_from_config
 
 __all__ = ["Scheme", "kinds", "register_quant_method", "scheme_from_config"]

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from reshard.errors import PlanError
-from reshard.rules.quant.kinds import SUFFIX, base_kind, granularity
+from reshard.rules.quant.fp8_kinds import SUFFIX, base_kind, granularity
 from reshard.rules.quant.scheme import COMPANION_SUFFIXES, SCALE_SUFFIXES, Block
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)

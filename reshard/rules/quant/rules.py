@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from reshard.rules.manifest import Rule
-from reshard.rules.quant.kinds import quantized_kind
+from reshard.rules.quant.fp8_kinds import quantized_kind
 from reshard.rules.quant.scheme import SCALE_SUFFIXES, Scheme, scheme_from_config, weight_of
 
 

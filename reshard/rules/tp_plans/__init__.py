@@ -24,7 +24,7 @@ __all__ = ["PlanEntry", "resolve_plan", "entry_for", "table_entry", "live_entry"
 # `reshard.settings` plan_source: "table" (the default) reads the shipped table only, so what a rank gets never
 # depends on the transformers installed beside reshard (an older one, pinned by vLLM, may plan MoE experts
 # otherwise); "live" always reads the installed transformers; "auto" reads it when its version differs
-# from the table's (the same version's plans are the table, byte for byte, as tests/plans checks)
+# from the table's (the same version's plans are the table, byte for byte, as tests/rules/tp_plans checks)
 SOURCE_ENV = "RESHARD_PLAN_SOURCE"
 
 

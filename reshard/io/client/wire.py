@@ -1,0 +1,60 @@
+"""The service's URLs and headers as a client sees them, with no HTTP library beyond the standard one.
+
+`fill_model` from a URL needs only these and `http.client` (`reshard.io.client.body`); `ShardClient`
+(`reshard.io.client.shard_client`, on httpx) uses them too.
+"""
+
+from __future__ import annotations
+
+import http.client
+import os
+import re
+import ssl
+from urllib.parse import urlsplit
+
+from reshard.errors import ReshardError
+from reshard.layout.mesh import Layout
+
+TOKEN_ENV = "RESHARD_TOKEN"
+SHA_HEADER = "x-reshard-sha256"
+_CKPT_URL = re.compile(r"^https?://[^/]+(/.*)?/v1/checkpoints/[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+def checkpoint_url(url: str) -> str:
+    """`url` without a trailing slash, if it is a checkpoint URL of the service; else a `ReshardError`."""
+    url = url.rstrip("/")
+    if not _CKPT_URL.match(url):
+        raise ReshardError(f"{url!r} is not a checkpoint URL; expected http://HOST:PORT/v1/checkpoints/NAME")
+    return url
+
+
+def layout_params(layout: int | Layout) -> dict[str, int]:
+    """The query parameters naming a layout (`tp`, and the other sizes that are not 1); an integer is tp."""
+    if isinstance(layout, int):
+        return {"tp": layout}
+    return {k: v for k, v in layout.sizes().items() if v != 1 or k == "tp"}
+
+
+def as_world(layout: int | Layout) -> int:
+    return layout if isinstance(layout, int) else layout.world
+
+
+def auth_headers(token: str | None) -> dict[str, str]:
+    """The bearer token (`token`, else `RESHARD_TOKEN`), as a header."""
+    token = token if token is not None else os.environ.get(TOKEN_ENV) or None
+    return {"Authorization": f"Bearer {token}"} if token else {}
+
+
+def connect(url: str, *, timeout: float) -> tuple[http.client.HTTPConnection, str]:
+    """A connection to `url`'s server (not yet opened) and the request target of `url`'s path and query."""
+    u = urlsplit(url)
+    host = u.hostname or "127.0.0.1"
+    conn: http.client.HTTPConnection
+    if u.scheme == "https":
+        conn = http.client.HTTPSConnection(host, u.port, timeout=timeout, context=ssl.create_default_context())
+    else:
+        conn = http.client.HTTPConnection(host, u.port, timeout=timeout)
+    return conn, u.path + (f"?{u.query}" if u.query else "")
+
+
+__all__ = ["SHA_HEADER", "TOKEN_ENV", "as_world", "auth_headers", "checkpoint_url", "connect", "layout_params"]

@@ -1,0 +1,1 @@
+"""Where rank files go: atomic files and reshard.json, stores, the merge back to an HF checkpoint."""

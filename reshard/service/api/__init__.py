@@ -1,0 +1,1 @@
+"""The FastAPI app: `create_app`, its routers, dependencies, schemas and middleware."""

@@ -1,0 +1,1 @@
+"""Write jobs and the state every worker shares (SQLite): jobs, shard digests."""

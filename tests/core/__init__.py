@@ -1,1 +1,0 @@
-"""Tests of the reshard core: formats, rules, plans, the stream and the writer (CPU only)."""
