@@ -91,3 +91,13 @@ def test_rooms_are_small() -> None:
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 60:
                 too_big.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}: {node.end_lineno - node.lineno + 1} lines")
     assert too_big == []
+
+
+def test_module_names_are_used_once() -> None:
+    """A module's file name says its role once: no two modules of reshard/ share a base name (packages'
+    `__init__` and `__main__` aside), so `grep`, tracebacks and imports never leave a reader guessing."""
+    seen: dict[str, list[str]] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.name not in ("__init__.py", "__main__.py"):
+            seen.setdefault(path.name, []).append(str(path.relative_to(ROOT)))
+    assert {k: v for k, v in seen.items() if len(v) > 1} == {}
