@@ -103,7 +103,7 @@ def test_a_prefetch_fetcher_runs_at_the_lowest_cpu_priority() -> None:
     /proc, then it is stopped."""
     import socket
 
-    from reshard.io.client.shard_client import shard_prefetch
+    from reshard.io.client import shard_prefetch
 
     with socket.socket() as srv:
         srv.bind(("127.0.0.1", 0))
