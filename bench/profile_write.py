@@ -54,7 +54,7 @@ def _fsync_all(files: list[Path]) -> None:
 
 
 def one_round(src: Path, tp: int, out: Path) -> dict[str, float]:
-    from reshard.io.sinks.writer import write_shards
+    from reshard.io.sinks.write import write_shards
     from reshard.io.source.opener import open_source
     from reshard.plan.planner import make_plan
 

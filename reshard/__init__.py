@@ -31,7 +31,7 @@ importcache.install()
 __version__ = "0.1.0"
 __all__ = ["Layout", "ReshardError", "__version__", "empty_tp_model", "fill_model", "make_plan", "open_source", "write_shards"]
 
-_LAZY = {"open_source": "reshard.io.source.opener", "write_shards": "reshard.io.sinks.writer", "make_plan": "reshard.plan.planner",
+_LAZY = {"open_source": "reshard.io.source.opener", "write_shards": "reshard.io.sinks.write", "make_plan": "reshard.plan.planner",
          "fill_model": "reshard.fill", "empty_tp_model": "reshard.fill"}
 
 

@@ -40,7 +40,7 @@ def test_failed_command_raises_with_its_stderr() -> None:
 @pytest.mark.pure
 @pytest.mark.parametrize("tp", [2, 4])
 def test_baseline_scripts_write_the_same_tensors_as_reshard(tmp_path: Path, tp: int) -> None:
-    from reshard.io.sinks.writer import write_shards
+    from reshard.io.sinks.write import write_shards
     from reshard.io.source.opener import open_source
     from reshard.plan.planner import make_plan
 

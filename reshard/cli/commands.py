@@ -10,12 +10,9 @@ from typing import Any
 
 from reshard.errors import PlanError
 from reshard.io.progress import add_progress_flags, human
-from reshard.io.sinks.store_writer import write_shards_to_store
-from reshard.io.sinks.writer import write_shards as write_to_dir
-from reshard.io.source.mapped_files import MAPS
+from reshard.io.sinks.write import write_shards
 from reshard.io.source.opener import open_source
 from reshard.io.source.stores import is_url
-from reshard.io.verified import record_written
 from reshard.layout.mesh import Layout
 from reshard.plan.planner import make_plan
 from reshard.plan.types import Plan, plan_to_json, rank_file_name
@@ -58,12 +55,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_write(args: argparse.Namespace) -> int:
-    write_shards = write_shards_to_store if is_url(args.out) else write_to_dir  # a store prefix: multipart uploads
     ckpt, plan = _plan(args)
-    with MAPS.enabled_while():  # row-split runs gathered from leased mappings
-        record = write_shards(ckpt, plan, args.out, progress=args.progress)
-    if not is_url(args.out):
-        record_written(args.out, record["files"])  # a fill trusts these files' sha256 while they stay unchanged
+    record = write_shards(ckpt, plan, args.out, progress=args.progress)  # a directory, or a store prefix
     total = sum(f["size"] for f in record["files"].values())
     where = args.out if is_url(args.out) else Path(args.out)
     done = ", ".join(f"{rank_list(record[k])} {k}" for k in ("kept", "written") if record.get(k))

@@ -4,7 +4,8 @@ A fill from a local rank file must know its bytes are the ones `reshard.json` vo
 537 MB takes about half a second of a core, on the critical path of every start-up. So the identity of
 a file whose sha256 is known (device, inode, size, mtime and ctime in nanoseconds) is recorded:
 
-- by `reshard write`, for each rank file it wrote, right after the write (the sha256 is the writer's);
+- by every write into a directory (`reshard write`, `reshard.write_shards`, a service write job: the one
+  write path, `reshard.io.sinks.write`), for each rank file it wrote (the sha256 is the writer's);
 - by a fill that hashed a rank file and found the recorded sha256.
 
 A later fill (`verify="auto"`, the default) whose file has the same identity and whose `reshard.json`

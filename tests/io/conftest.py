@@ -86,7 +86,7 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def reference(ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Uninterrupted outputs on the ordinary disk: `write` (tp=2), `merge` (of those shards)."""
     from reshard.io.sinks.hf_checkpoint import merge
-    from reshard.io.sinks.writer import write_shards
+    from reshard.io.sinks.write import write_shards
     from reshard.io.source.opener import open_source
     from reshard.plan.planner import make_plan
 

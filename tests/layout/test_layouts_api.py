@@ -18,7 +18,8 @@ from safetensors import safe_open
 
 from reshard.cli import main
 from reshard.errors import CheckpointError, PlanError
-from reshard.io.sinks.writer import MANIFEST_NAME, write_shards
+from reshard.io.sinks.write import write_shards
+from reshard.io.sinks.writer import MANIFEST_NAME
 from reshard.io.source.opener import open_source
 from reshard.layout import Layout
 from reshard.layout.roles import layer_range

@@ -33,7 +33,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from reshard.io.sinks.hf_checkpoint import merge
-from reshard.io.sinks.writer import write_shards
+from reshard.io.sinks.write import write_shards
 from reshard.io.source.opener import open_source
 from reshard.layout import Layout
 from reshard.plan.planner import make_plan

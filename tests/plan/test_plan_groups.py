@@ -25,7 +25,7 @@ from safetensors.torch import save_file
 
 from bench.moe_data import moe_checkpoint
 from reshard.io.rank_stream import RankStream
-from reshard.io.sinks.writer import write_shards
+from reshard.io.sinks.write import write_shards
 from reshard.io.source.opener import open_source
 from reshard.plan.planner import make_plan
 from reshard.testing.synth import llama_config, make_checkpoint

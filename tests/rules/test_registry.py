@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from reshard.errors import RegistryError
 from reshard.format.checkpoint import Checkpoint
 from reshard.format.selection import Selection
-from reshard.io.sinks.writer import write_shards
+from reshard.io.sinks.write import write_shards
 from reshard.plan.planner import make_plan
 from reshard.plan.types import rank_file_name
 from reshard.rules import kinds as loaders

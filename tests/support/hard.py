@@ -37,7 +37,7 @@ live_server = functools.partial(_live.live_server, workers=WORKERS)
 def verbose_server(root: Path, *, token: str, out: Path, log_path: Path) -> Iterator[LiveServer]:
     """Like `live.live_server`, but with uvicorn's most verbose logging (every request, every ASGI
     message) and the token from the environment, as a deployment would pass a secret."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RESHARD_")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RESHARD_") or k == "RESHARD_VERIFIED_DIR"}
     env.update(RESHARD_TOKEN=token, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     port = free_port()
     cmd = [sys.executable, "-m", "reshard.cli", "serve", "--root", str(root), "--host", "127.0.0.1",

@@ -118,7 +118,8 @@ def live_server(root: Path, *, token: str | None = None, out: Path | None = None
                 startup_timeout: float = 60.0, workers: int = 1, **settings: Any) -> Iterator[LiveServer]:
     """`reshard serve --root ROOT --workers N` on 127.0.0.1:free port until the block ends (one worker
     unless asked: the hardening tests use two)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RESHARD_")}
+    # the session's verified-records directory (tests/conftest.py) goes along: write jobs record their files
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RESHARD_") or k == "RESHARD_VERIFIED_DIR"}
     env.update({f"RESHARD_{k.upper()}": str(v) for k, v in settings.items()})
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("OMP_NUM_THREADS", "1")

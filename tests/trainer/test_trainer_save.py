@@ -30,7 +30,7 @@ LIMIT_S = 60
 
 @pytest.fixture(scope="module")
 def tp1(ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from reshard.io.sinks.writer import write_shards
+    from reshard.io.sinks.write import write_shards
     from reshard.io.source.opener import open_source
     from reshard.plan.planner import make_plan
 

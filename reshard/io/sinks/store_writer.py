@@ -1,4 +1,5 @@
-"""`reshard write SRC --tp N -o s3://BUCKET/OUT`: rank files streamed into a store as multipart uploads.
+"""`reshard write SRC --tp N -o s3://BUCKET/OUT`: rank files streamed into a store as multipart uploads
+(the store sink of the one write path, `reshard.io.sinks.write.write_shards`).
 
 Each rank file is one multipart upload fed by its `RankStream` chunk by chunk (memory: a few parts,
 never a file); S3 makes an object visible only when its upload completes, so an interrupted write
@@ -34,7 +35,7 @@ def _rank_body(plan: RankPlan, sha: Any, on_bytes: Callable[[int], None]) -> Ite
             yield chunk
 
 
-def write_shards_to_store(ckpt: Source, plan: Plan, out_url: str, *, progress: bool | None = None,
+def write_to_store(ckpt: Source, plan: Plan, out_url: str, *, progress: bool | None = None,
                           on_bytes: Callable[[int], None] | None = None) -> dict[str, Any]:
     """Write every rank in `plan` under the store prefix `out_url`, then config.json, then reshard.json."""
     store, prefix = store_for(out_url.rstrip("/") + "/")

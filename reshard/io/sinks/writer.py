@@ -1,4 +1,5 @@
-"""Atomic rank files and `reshard.json`: temp file, fsync, rename; nothing partial under a final name."""
+"""Atomic rank files and `reshard.json` in a local directory: temp file, fsync, rename; nothing partial
+under a final name. The directory sink of the one write path, `reshard.io.sinks.write.write_shards`."""
 
 from __future__ import annotations
 
@@ -144,7 +145,7 @@ def write_files(jobs: list[Job], *, on_bytes: Callable[[int], None] | None = Non
     return [f.result() for f in finishes]
 
 
-def write_shards(
+def write_to_dir(
     ckpt: Source, plan: Plan, out_dir: str | os.PathLike[str], *, progress: bool | None = None,
     on_bytes: Callable[[int], None] | None = None, writers: int | None = None,
 ) -> dict[str, Any]:

@@ -2,7 +2,8 @@
 
 A job is planned when it is submitted (so bad input is a 4xx answer, not a failed job), then written
 by a small thread pool of the worker process that accepted it, with the same `write_shards` as
-`reshard write`: each file atomic, then `reshard.json`. Its state lives in the SQLite database every
+`reshard write` (`reshard.io.sinks.write`): each file atomic, then `reshard.json`, the files recorded
+as verified. Its state lives in the SQLite database every
 worker opens (`reshard.service.jobs.state`), so any worker answers `GET /v1/jobs/{id}`; it is claimed (queued ->
 running) in one transaction, so it runs exactly once. Jobs writing the same output directory run one
 after another, across workers too (an `flock` per output directory). The newest `max_jobs_kept` are
@@ -43,7 +44,7 @@ from typing import Any
 from reshard.errors import NotFoundError, ReshardError, StateUnavailableError
 from reshard.io.outfs import output_errors
 from reshard.io.owners import is_alive, this_process
-from reshard.io.sinks.writer import write_shards
+from reshard.io.sinks.write import write_shards
 from reshard.layout.mesh import Layout
 from reshard.plan.types import Plan, rank_file_name
 from reshard.service.catalog import Catalog, ServedCheckpoint
@@ -340,7 +341,7 @@ class JobManager:
                     raise
 
     def _write(self, job: Job, src: ServedCheckpoint, plan: Plan) -> None:
-        """`reshard.io.sinks.writer.write_shards`, counting bytes for the job and caching the digests."""
+        """`reshard.io.sinks.write.write_shards` (the one write path), counting bytes for the job and caching the digests."""
         saved = [time.monotonic()]
 
         def on_bytes(n: int) -> None:

@@ -24,7 +24,7 @@ from reshard.format.checkpoint import Checkpoint
 from reshard.io.outfs import TMP_PREFIX
 from reshard.io.rank_stream import RankStream
 from reshard.io.sinks import outfile
-from reshard.io.sinks.writer import write_shards
+from reshard.io.sinks.write import write_shards
 from reshard.io.source.opener import open_source
 from reshard.plan.planner import make_plan
 from reshard.plan.types import plan_to_json, rank_file_name

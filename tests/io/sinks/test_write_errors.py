@@ -11,7 +11,7 @@ import pytest
 from bench.stores import TEST_SECRET, s3_server
 from bench.stores import s3_env as env_for
 from reshard.cli import main
-from reshard.io.sinks.store_writer import write_shards_to_store
+from reshard.io.sinks.write import write_shards
 from reshard.io.source.opener import open_source
 from reshard.plan.planner import make_plan
 from tests.support.live import free_port, make_ckpt
@@ -59,7 +59,7 @@ def test_interrupted_multipart_write_leaves_no_final_object(s3_env, boto, tmp_pa
             raise RuntimeError("killed mid-upload")
 
     with pytest.raises(RuntimeError, match="killed mid-upload"):
-        write_shards_to_store(ckpt, plan, "s3://ckpts/out/cut", on_bytes=crash)
+        write_shards(ckpt, plan, "s3://ckpts/out/cut", on_bytes=crash)
     assert _objects(boto, "out/cut/") == {}  # no rank file, and the stale reshard.json is gone first
     assert boto.list_multipart_uploads(Bucket="ckpts").get("Uploads", []) == []  # aborted
 

@@ -16,7 +16,8 @@ import pytest
 from reshard.errors import NoSpaceError
 from reshard.format.checkpoint import Source
 from reshard.io.sinks import outfile
-from reshard.io.sinks.writer import PARTIAL_NAME, write_shards
+from reshard.io.sinks.write import write_shards
+from reshard.io.sinks.writer import PARTIAL_NAME
 from reshard.io.source.opener import open_source
 from reshard.plan.planner import make_plan
 from reshard.plan.types import Plan

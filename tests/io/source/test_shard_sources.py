@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from reshard.io.rank_stream import RankStream
 from reshard.io.sinks.hf_checkpoint import merge
-from reshard.io.sinks.writer import write_shards
+from reshard.io.sinks.write import write_shards
 from reshard.io.source.opener import open_source
 from reshard.plan.planner import make_plan
 from reshard.plan.reads import Interleave
