@@ -13,7 +13,8 @@ the copy out of those pieces took 2-3 s of a 6 s fill). A broken connection is r
 `ShardClient` resumes a pull (`Range: bytes=POS-`, `If-Range: ETAG`; a shard that changed meanwhile
 is an `IntegrityError`); an error answer is raised as `ShardClient` raises it (the server's JSON
 error named), by asking for it again through the client. Both kinds are also iterable in chunks, for
-consumers that take chunks.
+consumers that take chunks. Why `ShardBody` is not on httpx like `ShardClient` (import cost, bytes per
+second, measured) is in `reshard.io.client.shard_client`'s docstring.
 """
 
 from __future__ import annotations
