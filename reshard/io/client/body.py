@@ -13,7 +13,8 @@ the copy out of those pieces took 2-3 s of a 6 s fill). A broken connection is r
 `ShardClient` resumes a pull (`Range: bytes=POS-`, `If-Range: ETAG`; a shard that changed meanwhile
 is an `IntegrityError`); an error answer is raised as `ShardClient` raises it (the server's JSON
 error named), by asking for it again through the client. Both kinds are also iterable in chunks, for
-consumers that take chunks.
+consumers that take chunks. Why `ShardBody` is not on httpx like `ShardClient` (import cost, bytes per
+second, measured) is in `reshard.io.client.shard_client`'s docstring.
 """
 
 from __future__ import annotations
@@ -22,15 +23,23 @@ import contextlib
 import http.client
 import json
 import os
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import urlencode
 
 from reshard.errors import IntegrityError, ReshardError, SourceChangedError
-from reshard.io.client.wire import SHA_HEADER, as_world, auth_headers, checkpoint_url, connect, layout_params
+from reshard.io.client.wire import (
+    RETRY_CAP,
+    SHA_HEADER,
+    as_world,
+    auth_headers,
+    checkpoint_url,
+    connect,
+    layout_params,
+)
 from reshard.io.pread import pread_full
+from reshard.io.retry import Backoff, Retries
 from reshard.layout.mesh import Layout
 
 if TYPE_CHECKING:
@@ -101,6 +110,9 @@ class _Retry(Exception):
     """A failure worth another try: the connection broke, timed out, or the server answered 5xx."""
 
 
+_RETRY_ON = (_Retry, OSError, http.client.HTTPException)
+
+
 class ShardBody:
     """`GET .../shards/RANK?tp=TP` of the service, received into the caller's buffers (see the module)."""
 
@@ -117,7 +129,9 @@ class ShardBody:
         self.pos, self.size, self.etag, self.sha256, self.verify = 0, 0, "", None, True
         self._conn: http.client.HTTPConnection | None = None
         self._resp: http.client.HTTPResponse | None = None
-        self._failures = 0
+        # failures in a row: a byte received resets the count (`_recv`), across `readinto` calls
+        self._tries = Retries(Backoff(retries, backoff, RETRY_CAP), give_up=lambda e: ReshardError(
+            f"{self.name}: giving up after {self.retries} retries at byte {self.pos}: {e or type(e).__name__}"))
         try:
             self._call(self._open)
         except BaseException:
@@ -177,20 +191,17 @@ class ShardBody:
         n = self._resp.readinto(view)
         if not n:
             raise _Retry(f"connection closed at byte {self.pos} of {self.size}")
-        self._failures = 0
+        self._tries.progressed()
         return n
 
     def _call(self, do: Callable[..., int], *args: Any) -> int:
+        """`do(*args)`, tried again on a fresh connection after a broken one, a timeout or a 5xx."""
         while True:
             try:
                 return do(*args)
-            except (_Retry, OSError, http.client.HTTPException) as e:
+            except _RETRY_ON as e:
                 self._disconnect()
-                self._failures += 1
-                if self._failures > self.retries:
-                    raise ReshardError(f"{self.name}: giving up after {self.retries} retries at byte "
-                                       f"{self.pos}: {e or type(e).__name__}") from None
-                time.sleep(min(self.backoff * 2 ** (self._failures - 1), 10.0))
+                self._tries.failed(e)
 
     def expected_sha256(self) -> str | None:
         if self.sha256 is None:  # the server did not know it when the body started: it does now

@@ -10,7 +10,23 @@
 A broken connection is resumed with `Range: bytes=POS-` and `If-Range: ETAG`: if the shard changed on
 the server meanwhile (its ETag names the source files, manifest, tp and rank) the bytes already
 received are stale and `IntegrityError` is raised instead of mixing versions. At the end the total
-length and the sha256 (from the server's digest) are checked.
+length and the sha256 (from the server's digest) are checked. Failures are retried by
+`reshard.io.retry` (waits doubling from `backoff`, at most 10 s; `retries` in a row, then an error).
+
+Why the service has two client stacks, this one on httpx and `ShardBody` (`reshard.io.client.body`)
+on the standard library's `http.client` (measured on the 2-core dev VM, Python 3.11, httpx 0.29,
+loopback, a stdlib server, best of 3-5 runs, two sessions):
+- `fill_model` needs `http.client`: `import httpx` takes 120-160 ms against 24-30 ms for `http.client`
+  (`python -X importtime`; on a loaded machine both grow, httpx stays 4-7x), paid by every TP worker before
+  its first byte; and a 256 MiB body arrives in 0.23-0.37 s through `readinto` straight into the
+  destination against 1.8-2.2 s through httpx's `iter_raw` plus the copy out of its pieces.
+- this client needs httpx: it honours the environment's proxy and CA settings (`HTTPS_PROXY`,
+  `NO_PROXY`, `SSL_CERT_FILE`, `.netrc`), which `reshard pull` and vLLM's loader get through it and
+  `http.client` does not have; it keeps one connection pool across the JSON calls, a pull and its
+  resumes, with separate connect and read timeouts; and tests hand it a `transport`. Per request it
+  costs more (2.4-2.8 ms against 0.8 ms for a small keep-alive GET), which a pull of a few JSON calls and
+  one body does not feel. Both share the URLs, headers and retry policy (`wire`, `reshard.io.retry`),
+  and `ShardBody` raises an error answer through this client, so both fail alike.
 """
 
 from __future__ import annotations
@@ -20,8 +36,7 @@ import hashlib
 import json
 import os
 import re
-import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,11 +45,12 @@ import httpx
 
 from reshard import errors
 from reshard.errors import IntegrityError, NotFoundError, OutputPathError, ReshardError
-from reshard.io.client.wire import SHA_HEADER, as_world, auth_headers, layout_params
+from reshard.io.client.wire import RETRY_CAP, SHA_HEADER, as_world, auth_headers, layout_params
 from reshard.io.client.wire import checkpoint_url as as_checkpoint_url
 from reshard.io.hashing import BackgroundHash, file_sha256
 from reshard.io.outfs import check_space, fsync_dir, made_dir, output_errors
 from reshard.io.progress import Progress
+from reshard.io.retry import Backoff, Retries
 from reshard.layout.mesh import Layout
 from reshard.plan.types import rank_file_name
 
@@ -44,6 +60,9 @@ _RETRY_STATUS = frozenset({500, 502, 503, 504})
 
 class _Retryable(Exception):
     """A failure worth another try (connection broken, 5xx)."""
+
+
+_RETRY_ON = (httpx.TransportError, _Retryable)
 
 
 @dataclass(frozen=True)
@@ -240,8 +259,9 @@ class ShardClient:
 
     def _fetch(self, rank: int, tp: int | Layout, *, start: int, etag: str | None,
                hasher: BackgroundHash) -> Iterator[tuple[int, int, bytes]]:
-        pos, size, failures, server_sha = start, None, 0, None
+        pos, size, server_sha = start, None, None
         url, params = self.shard_url(rank), {**self.params, **layout_params(tp)}
+        tries = self._tries(lambda e: ReshardError(f"{url}?tp={tp}: giving up after {self.retries} retries at byte {pos}: {e}"))
         while size is None or pos < size:
             headers = {"Accept-Encoding": "identity"}  # raw bytes are read: no content coding
             if pos:
@@ -273,12 +293,11 @@ class ShardClient:
                         hasher.update(piece)
                         yield pos, size, piece
                         pos += len(piece)
-                        failures = 0
+                        tries.progressed()
                     if pos < size:
                         raise _Retryable(f"connection closed at byte {pos} of {size}")
-            except (httpx.TransportError, _Retryable) as e:
-                failures += 1
-                self._wait_or_give_up(failures, f"{url}?tp={tp}: giving up after {self.retries} retries at byte {pos}: {e}")
+            except _RETRY_ON as e:
+                tries.failed(e)
         if size is None or pos != size:
             raise IntegrityError(f"{url}?tp={tp}: received {pos} bytes, expected {size}")
         if hasher.active and self.verify:
@@ -299,22 +318,21 @@ class ShardClient:
         r = self._call(lambda: self._http.request(method, url, params=params, **kw))
         return r.json()
 
-    def _call(self, do: Any) -> httpx.Response:
-        failures = 0
-        while True:
-            try:
-                r = do()
-                self._check(r)
-                return r
-            except (httpx.TransportError, _Retryable) as e:
-                failures += 1
-                self._wait_or_give_up(failures, f"{self.url}: giving up after {self.retries} retries: {e}")
+    def _call(self, do: Callable[[], httpx.Response]) -> httpx.Response:
+        """`do()`'s answer once it is not an error, tried again after broken connections and 5xx."""
 
-    def _wait_or_give_up(self, failures: int, message: str) -> None:
-        """Back off before the next try (doubling, at most 10 s), or raise `message` after `retries` failures."""
-        if failures > self.retries:
-            raise ReshardError(message) from None
-        time.sleep(min(self.backoff * 2 ** (failures - 1), 10.0))
+        def checked() -> httpx.Response:
+            r = do()
+            self._check(r)
+            return r
+
+        tries = self._tries(lambda e: ReshardError(f"{self.url}: giving up after {self.retries} retries: {e}"))
+        return tries.call(checked, retry_on=_RETRY_ON)
+
+    def _tries(self, give_up: Callable[[BaseException], BaseException]) -> Retries:
+        """The failures of one request or transfer: waits doubling from `backoff`, at most `RETRY_CAP`
+        seconds; `give_up(error)` raised after `retries` of them in a row."""
+        return Retries(Backoff(self.retries, self.backoff, RETRY_CAP), give_up=give_up)
 
     @staticmethod
     def _check(r: httpx.Response) -> None:

@@ -17,6 +17,7 @@ from reshard.layout.mesh import Layout
 
 TOKEN_ENV = "RESHARD_TOKEN"
 SHA_HEADER = "x-reshard-sha256"
+RETRY_CAP = 10.0  # seconds: the longest wait between two tries of a request to the service (`reshard.io.retry`)
 _CKPT_URL = re.compile(r"^https?://[^/]+(/.*)?/v1/checkpoints/[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
@@ -57,4 +58,4 @@ def connect(url: str, *, timeout: float) -> tuple[http.client.HTTPConnection, st
     return conn, u.path + (f"?{u.query}" if u.query else "")
 
 
-__all__ = ["SHA_HEADER", "TOKEN_ENV", "as_world", "auth_headers", "checkpoint_url", "connect", "layout_params"]
+__all__ = ["RETRY_CAP", "SHA_HEADER", "TOKEN_ENV", "as_world", "auth_headers", "checkpoint_url", "connect", "layout_params"]

@@ -23,14 +23,14 @@ from __future__ import annotations
 
 import re
 import threading
-import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import httpx
 
 from reshard.errors import CheckpointError, SourceChangedError, StoreError, StoreUnavailableError
-from reshard.io.source.stores import count_fetched
+from reshard.io.retry import Retries
+from reshard.io.source.stores import count_fetched, store_backoff
 from reshard.settings import library_settings
 
 if TYPE_CHECKING:
@@ -64,19 +64,15 @@ class MultiRangeClient:
             dst[:] = data
 
     def _retried(self, key: str, ranges: list[tuple[int, int]], version: str) -> list[tuple[int, memoryview]]:
-        failures = 0
-        while True:
-            try:
-                with self.costs.timed(len(ranges)) as got:
-                    parts = self._get(key, ranges, version)
-                    got.append(sum(len(d) for _, d in parts))
-                return parts
-            except (httpx.TransportError, _Retry) as e:
-                failures += 1
-                if failures > self.retries:
-                    raise StoreUnavailableError(f"{self.root}/{key}: {len(ranges)} ranges failed after "
-                                                f"{self.retries} retries ({e})") from None
-                time.sleep(min(0.1 * 2 ** (failures - 1), 5.0))
+        def once() -> list[tuple[int, memoryview]]:
+            with self.costs.timed(len(ranges)) as got:
+                parts = self._get(key, ranges, version)
+                got.append(sum(len(d) for _, d in parts))
+            return parts
+
+        tries = Retries(store_backoff(self.retries), give_up=lambda e: StoreUnavailableError(
+            f"{self.root}/{key}: {len(ranges)} ranges failed after {self.retries} retries ({e})"))
+        return tries.call(once, retry_on=(httpx.TransportError, _Retry))
 
     def _get(self, key: str, ranges: list[tuple[int, int]], version: str) -> list[tuple[int, memoryview]]:
         url = f"{self.root}/{key}"

@@ -26,6 +26,7 @@ from reshard.errors import (
     StoreError,
     StoreUnavailableError,
 )
+from reshard.io.retry import Backoff
 from reshard.io.source.readcost import costs_for
 
 URL_RE = re.compile(r"^(s3|gs|hf|https?)://", re.I)
@@ -308,16 +309,19 @@ def _settling(meta: dict[str, Any]) -> float:
     return modified.timestamp() + SETTLE - time.time() if modified.timestamp() > 0 else 0.0
 
 
+def store_backoff(retries: int) -> Backoff:
+    """How store requests are retried (`RESHARD_STORE_RETRIES`): by obstore, and by `MultiRangeClient`."""
+    return Backoff(retries, first=0.1, cap=5.0)
+
+
 def _make_store(root: str, endpoint: str) -> Any:
     from obstore.store import GCSStore, HTTPStore, S3Store
 
     from reshard.settings import library_settings  # pydantic-settings only where a store is opened
 
     settings = library_settings()
-    retries, timeout = settings.store_retries, settings.store_timeout
-    retry = {"max_retries": retries, "retry_timeout": datetime.timedelta(seconds=max(timeout, 1) * 2),
-             "backoff": {"init_backoff": datetime.timedelta(milliseconds=100),
-                         "max_backoff": datetime.timedelta(seconds=5), "base": 2}}
+    timeout = settings.store_timeout
+    retry = store_backoff(settings.store_retries).obstore_config(retry_timeout=max(timeout, 1) * 2)
     client = {"timeout": datetime.timedelta(seconds=timeout), "connect_timeout": datetime.timedelta(seconds=10),
               "allow_http": endpoint.startswith("http://") or root.startswith("http://")
               or os.environ.get("AWS_ALLOW_HTTP", "").lower() == "true"}
