@@ -25,8 +25,9 @@ from typing import Any
 from bench.compare_train import bytes_served
 from bench.interleave import Case, interleave
 from bench.measure import Result, median, run_command
-from bench.servers import free_port, reshard_serve_argv, server
+from bench.servers import reshard_serve_argv
 from bench.vllm_worker import TP
+from reshard.testing.local_servers import free_port, server
 
 NAME = "llama"
 
