@@ -1,7 +1,7 @@
-"""`python -m bench`: see bench/run.py."""
+"""`python -m bench`: the suite (bench/run.py), `python -m bench list`, `python -m bench NAME [ARGS]` (bench/commands.py)."""
 
 import sys
 
-from bench.run import main
+from bench.commands import dispatch
 
-sys.exit(main())
+sys.exit(dispatch(sys.argv[1:]))

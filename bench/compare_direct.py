@@ -5,7 +5,7 @@ each way of fetching a row-split tensor's rows, from each kind of store (interle
 
 Stores, each on 127.0.0.1 and counting the body bytes and requests it answers:
   s3      moto's S3 server (one range per request)
-  http    bench.fileserver (Starlette FileResponse: several ranges per request, at most 100, each part
+  http    reshard.testing.fileserver (Starlette FileResponse: several ranges per request, at most 100, each part
           read by a thread hop)
   nginx   nginx 1.22 (several ranges per request, parts written by C), counted from its access log
 Ways (`RESHARD_STORE_ROWS`): `auto` (the default: whichever reshard.io.source.readcost prices lower, from the
@@ -35,8 +35,8 @@ from bench.compare_write import reshard_bin
 from bench.interleave import Case, interleave
 from bench.measure import Result, median
 from bench.report import targets_table, write_md_json
-from bench.servers import ensure_nginx, free_port, server
-from bench.stores import http_server, s3_server
+from bench.servers import ensure_nginx
+from reshard.testing.local_servers import free_port, http_server, s3_server, server
 
 RESULTS = Path(__file__).resolve().parent / "results"
 NAME, BUCKET = "llama", "bench"

@@ -30,7 +30,8 @@ from typing import Any
 from bench.compare_train import bytes_served, expected_bytes, torchrun, train_case
 from bench.interleave import Case, interleave
 from bench.measure import Result, median, run_command
-from bench.servers import free_port, reshard_serve_argv, server
+from bench.servers import reshard_serve_argv
+from reshard.testing.local_servers import free_port, server
 
 TPS = (2, 4)
 NAME = "llama"

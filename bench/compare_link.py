@@ -30,7 +30,8 @@ from bench.compare_fill import NAME, common_args, linked_root, prepared, summari
 from bench.compare_train import expected_bytes
 from bench.interleave import interleave
 from bench.linkproxy import LinkProxy
-from bench.servers import free_port, reshard_serve_argv, server
+from bench.servers import reshard_serve_argv
+from reshard.testing.local_servers import free_port, server
 
 TP = 4
 BASELINE = "copy + torchrun from_pretrained"

@@ -1,6 +1,6 @@
 """Comparison 5: planning a MoE-sized checkpoint (100,000 tensors, tp=8), and the first byte of a served shard.
 
-`reshard plan --tp 8` on the synthetic checkpoint of `bench.moe_data` (64 experts a layer, gate/up
+`reshard plan --tp 8` on the synthetic checkpoint of `reshard.testing.moe` (64 experts a layer, gate/up
 column, down row, 16 files) is run side by side with the floor any planner pays: reading and parsing
 the 16 headers (`safetensors.safe_open`, every key, dtype and shape), and with planning a layout beyond
 TP, `--tp 8 --ep 8 --pp 2` (16 ranks: each holds half the layers and an eighth of their experts). Then `reshard serve` is started
@@ -20,8 +20,9 @@ from typing import Any
 from bench.compare_write import reshard_bin
 from bench.interleave import Case, interleave
 from bench.measure import median
-from bench.moe_data import moe_checkpoint
-from bench.servers import free_port, reshard_serve_argv, server
+from bench.servers import reshard_serve_argv
+from reshard.testing.local_servers import free_port, server
+from reshard.testing.moe import moe_checkpoint
 
 TENSORS, TP = 100_000, 8
 HEADERS = """

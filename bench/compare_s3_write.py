@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         return {}
     import boto3
 
-    from bench.stores import s3_server
+    from reshard.testing.local_servers import s3_server
     from reshard.testing.synth import llama_config, make_checkpoint
 
     work = Path(tempfile.mkdtemp(prefix="bench-s3-"))

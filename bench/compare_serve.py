@@ -30,14 +30,8 @@ from typing import Any
 from bench.compare_write import reshard_bin
 from bench.interleave import Case, MiB, interleave
 from bench.measure import Result, median
-from bench.servers import (
-    ensure_nginx,
-    fileserver_argv,
-    free_port,
-    nginx_argv,
-    reshard_serve_argv,
-    server,
-)
+from bench.servers import ensure_nginx, fileserver_argv, nginx_argv, reshard_serve_argv
+from reshard.testing.local_servers import free_port, server
 
 TP = 4
 TPS = (4, 2)  # the concurrent cases mix ranks of both
@@ -106,8 +100,8 @@ def serve_servers(root: Path, files: Path, work: Path) -> Iterator[dict[str, Any
                    log=logs / "reshard-serve-gathering.log") as rg, \
             server(nginx_argv(nginx, files, work / "nginx", ports["nginx"], workers=WORKERS),
                    f"http://127.0.0.1:{ports['nginx']}/", log=logs / "nginx.log") as ng, \
-            server(fileserver_argv(ports["fileresponse"]), f"http://127.0.0.1:{ports['fileresponse']}/healthz",
-                   env={"BENCH_FILE_ROOT": str(files)}, log=logs / "fileresponse.log") as fr:
+            server(fileserver_argv(files, ports["fileresponse"]), f"http://127.0.0.1:{ports['fileresponse']}/healthz",
+                   log=logs / "fileresponse.log") as fr:
         yield {"ports": ports, "pids": {"reshard": rs.pid, "gathering": rg.pid, "nginx": ng.pid, "fileresponse": fr.pid}}
 
 

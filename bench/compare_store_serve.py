@@ -14,7 +14,7 @@ pieces off (`RESHARD_GATHER_CACHE=0`: a start-up storm pulls each shard once, an
 none), and the downloaded files get the same mtime every round, so the shards' ETags, and the sha256
 digests the service keeps by ETag, stay the same from round to round for both, as a store object's
 ETag does (an earlier version left the local side's copies warm across rounds: 2.57 s there against
-about 3 s cold). The store is `bench.fileserver` (Starlette FileResponse, Range) counting the body
+about 3 s cold). The store is `reshard.testing.fileserver` (Starlette FileResponse, Range) counting the body
 bytes it sends. Pulls are `curl -s -o /dev/null`, 8 at once, timed from the first request (or the
 download) to the last byte. Writes `bench/results/store_serve.{md,json}`.
 """
@@ -34,8 +34,8 @@ from bench import data
 from bench.interleave import Case, interleave
 from bench.measure import Result, median
 from bench.report import targets_table, write_md_json
-from bench.servers import free_port, reshard_serve_argv, server
-from bench.stores import StoreServer, http_server
+from bench.servers import reshard_serve_argv
+from reshard.testing.local_servers import StoreServer, free_port, http_server, server
 
 NAME = "llama"
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         return {}
     import boto3
 
-    from bench.stores import s3_server
+    from reshard.testing.local_servers import s3_server
 
     size = args.mib << 20
     results: dict[str, Any] = {}

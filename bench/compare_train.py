@@ -24,7 +24,8 @@ from typing import Any
 from bench.compare_write import reshard_bin
 from bench.interleave import Case, interleave
 from bench.measure import Result, run_command
-from bench.servers import free_port, reshard_serve_argv, server
+from bench.servers import reshard_serve_argv
+from reshard.testing.local_servers import free_port, server
 
 TP = 2
 NAME = "llama"

@@ -25,8 +25,9 @@ from typing import Any
 from bench.compare_train import bytes_served
 from bench.interleave import Case, interleave
 from bench.measure import Result, median, run_command
-from bench.servers import free_port, reshard_serve_argv, server
+from bench.servers import reshard_serve_argv
 from bench.vllm_worker import TP
+from reshard.testing.local_servers import free_port, server
 
 NAME = "llama"
 
@@ -117,11 +118,13 @@ def save(result: dict[str, Any], *, reps: int, load_at_start: float) -> None:
     RESULT.write_text(json.dumps({"meta": meta, **result}, indent=2, sort_keys=True, default=str) + "\n")
 
 
-if __name__ == "__main__":  # python -m bench.compare_vllm [REPS] (in .venv-vllm: ./run bench-vllm)
+def main(argv: list[str] | None = None) -> int:
+    """`python -m bench.compare_vllm [REPS]` (in .venv-vllm: `./run bench-vllm`): REPS rounds, 2 by default."""
     from bench import data
 
+    argv = sys.argv[1:] if argv is None else argv
     load_at_start = os.getloadavg()[0]
-    reps = int(sys.argv[1]) if len(sys.argv) > 1 else 2
+    reps = int(argv[0]) if argv else 2
     ckpt = data.checkpoint("1gb")
     result = run_vllm(ckpt, data.DATA / "work", reps=reps)
     for name, s in result["summary"].items():
@@ -131,3 +134,8 @@ if __name__ == "__main__":  # python -m bench.compare_vllm [REPS] (in .venv-vllm
     print(f"tokens agree: {result['tokens_agree']}")
     save(result, reps=reps, load_at_start=load_at_start)
     print(f"results: {RESULT}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -24,7 +24,8 @@ from bench import data
 from bench.compare_serve import TP, WORKERS, _check, curl, prepare
 from bench.interleave import Case, interleave
 from bench.measure import median
-from bench.servers import REPO, ensure_nginx, free_port, nginx_argv, reshard_serve_argv, server
+from bench.servers import REPO, ensure_nginx, nginx_argv, reshard_serve_argv
+from reshard.testing.local_servers import free_port, server
 
 NO_COPIES = {"RESHARD_GATHER_CACHE": "0"}
 OPTIONS = {  # name -> the server's environment; all but the first gather every pull (the copies of

@@ -1,7 +1,7 @@
 """Servers for the service comparison: `reshard serve`, nginx (sendfile on) and a FastAPI FileResponse app.
 
-Each runs on 127.0.0.1 on a free port, as a child of the benchmark, and is stopped (by its own pid)
-when the comparison ends. nginx is installed with apt-get when it is missing.
+Each runs on 127.0.0.1 on a free port, as a child of the benchmark, started and stopped (by its own pid)
+by `reshard.testing.local_servers.server`. nginx is installed with apt-get when it is missing.
 """
 
 from __future__ import annotations
@@ -10,69 +10,13 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
-from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from bench.compare_write import reshard_bin
 
-FILESERVER = "bench.fileserver:app"
 REPO = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode} before answering {url}")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as r:
-                if r.status < 500:
-                    return
-        except urllib.error.HTTPError as e:
-            if e.code < 500:
-                return
-        except OSError:
-            pass
-        time.sleep(0.1)
-    raise RuntimeError(f"server did not answer {url} within {timeout:.0f} s")
-
-
-@contextlib.contextmanager
-def server(argv: Sequence[str], ready_url: str, *, env: dict[str, str] | None = None,
-           log: Path | None = None, timeout: float = 60.0) -> Iterator[subprocess.Popen[bytes]]:
-    """Start `argv`, wait until `ready_url` answers, yield the process; stop it afterwards."""
-    out = open(log, "wb") if log else subprocess.DEVNULL  # noqa: SIM115
-    proc = subprocess.Popen(list(argv), env={**os.environ, **(env or {})}, cwd=REPO, stdout=out,
-                            stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        try:
-            wait_ready(ready_url, proc, timeout)
-        except RuntimeError as e:
-            tail = log.read_text(errors="replace")[-1500:] if log and log.exists() else ""
-            raise RuntimeError(f"{e}: {' '.join(argv)}\n{tail}") from None
-        yield proc
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM if argv[0] != "nginx" and not argv[0].endswith("/nginx") else signal.SIGQUIT)
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        if log:
-            out.close()
 
 
 def ensure_nginx() -> str:
@@ -139,6 +83,5 @@ def reshard_serve_argv(root: Path, port: int, *, workers: int = 1) -> list[str]:
             "--log-level", "warning", "--no-access-log", "--workers", str(workers)]
 
 
-def fileserver_argv(port: int) -> list[str]:
-    return [sys.executable, "-m", "uvicorn", FILESERVER, "--host", "127.0.0.1", "--port", str(port),
-            "--log-level", "warning", "--no-access-log"]
+def fileserver_argv(root: Path, port: int) -> list[str]:
+    return [sys.executable, "-m", "reshard.testing.fileserver", "--root", str(root), "--port", str(port)]

@@ -9,6 +9,7 @@ or the one-line error the trainer gives.
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import tempfile
@@ -40,7 +41,8 @@ def job(rank: int, world_size: int, cases: dict[str, str], ids: torch.Tensor) ->
     return out
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    argparse.ArgumentParser(prog="python -m bench.trainer_support", description=__doc__.split("\n\n")[0]).parse_args(argv)
     import transformers
 
     from reshard.cli import main as reshard_cli

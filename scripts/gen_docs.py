@@ -7,9 +7,8 @@
     .venv/bin/python scripts/gen_docs.py           # rewrite the tables in docs/*.md
     .venv/bin/python scripts/gen_docs.py --check   # exit 1 if a committed table differs from what this makes
 
-Sources: the service settings class (`reshard.service.serve_settings.Settings`, before the move
-`service.settings.Settings`) and the flags of `reshard serve`; the library's settings class
-(`reshard.settings.LibrarySettings`); the benchmark results in
+Sources: the service settings class (`reshard.service.serve_settings.Settings`) and the flags of
+`reshard serve`; the library's settings class (`reshard.settings.LibrarySettings`); the benchmark results in
 `bench/results/` (`quick.json`, `full.json` from `./run bench [--full]`, `stores.md`, `s3_write.md`,
 `trainer_support.json`); the plan tests' results `tests/rules/tp_plans/results/coverage.json` (rendered by
 `scripts/coverage_table.py`). Only the text between the markers is touched.
@@ -31,11 +30,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 RESULTS = ROOT / "bench" / "results"
-for _p in (str(ROOT), str(Path(__file__).resolve().parent)):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
+if __package__ in (None, "") and str(ROOT) not in sys.path:  # run as `python scripts/gen_docs.py`: for `scripts.*`
+    sys.path.insert(0, str(ROOT))
 
-from _generated import write_or_check  # noqa: E402
+from scripts._generated import write_or_check  # noqa: E402
 
 BLOCK = re.compile(r"(<!-- generated: (?P<name>[a-z0-9-]+)[^>]*-->\n)(?P<body>.*?)(<!-- end generated -->)", re.S)
 
@@ -59,13 +57,9 @@ def _fmt(x: Any, spec: str) -> str:
 # --- service settings ---------------------------------------------------------------------------------
 
 def settings_class() -> type:
-    """The service's pydantic Settings: its new home first, then the one before the move."""
-    try:
-        from reshard.service.serve_settings import Settings
-    except ModuleNotFoundError as e:
-        if e.name not in ("reshard.service", "reshard.service.serve_settings"):
-            raise
-        from service.settings import Settings  # type: ignore[no-redef]
+    """The service's pydantic Settings."""
+    from reshard.service.serve_settings import Settings
+
     return Settings
 
 
@@ -121,14 +115,10 @@ def _default(field: Any) -> str:
     return f"`{v}`"
 
 
-def library_settings_class() -> type | None:
-    """The library's settings (`reshard.settings.LibrarySettings`), None before they existed."""
-    try:
-        from reshard.settings import LibrarySettings
-    except ModuleNotFoundError as e:
-        if e.name != "reshard.settings":
-            raise
-        return None
+def library_settings_class() -> type:
+    """The library's settings (`reshard.settings.LibrarySettings`)."""
+    from reshard.settings import LibrarySettings
+
     return LibrarySettings
 
 
@@ -156,8 +146,6 @@ def gen_settings() -> str:
 
 def gen_library_settings() -> str:
     cls = library_settings_class()
-    if cls is None:
-        return "(no library settings class in this version)"
     lines = [f"From `{cls.__module__}.{cls.__name__}`: read from the environment each time they are used, "
              "by every command, the service, the trainer and `fill_model`.", ""]
     return "\n".join(lines + _table(["variable", "default", "type", "what it does"], _settings_rows(cls, None)))
@@ -382,8 +370,8 @@ def gen_trainer_support() -> str:
 
 
 def gen_coverage() -> str:
-    from coverage_table import RESULTS as COVERAGE
-    from coverage_table import TRAINER, render
+    from scripts.coverage_table import RESULTS as COVERAGE
+    from scripts.coverage_table import TRAINER, render
 
     results = json.loads(COVERAGE.read_text(encoding="utf-8"))
     trainer = json.loads(TRAINER.read_text(encoding="utf-8")) if TRAINER.is_file() else None

@@ -13,11 +13,15 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
-from _generated import write_or_check
+ROOT = Path(__file__).resolve().parents[1]
+if __package__ in (None, "") and str(ROOT) not in sys.path:  # run as `python scripts/gen_plan_table.py`: for `scripts.*`
+    sys.path.insert(0, str(ROOT))
 
-from reshard.rules.tp_plans.entry import TABLE_PATH
-from reshard.rules.tp_plans.live import live_entry, plan_model_types, transformers_version
+from reshard.rules.tp_plans.entry import TABLE_PATH  # noqa: E402
+from reshard.rules.tp_plans.live import live_entry, plan_model_types, transformers_version  # noqa: E402
+from scripts._generated import write_or_check  # noqa: E402
 
 
 def build() -> dict:

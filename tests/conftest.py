@@ -1,6 +1,6 @@
 """The root of the test suite: the tier check, and the fixtures more than one folder uses.
 
-Tiers (DESIGN.md rule 9; registered in pyproject's [tool.pytest.ini_options] markers). Every test has
+Tiers (README.md, "Tests"; registered in pyproject's [tool.pytest.ini_options] markers). Every test has
 exactly one, set with `pytestmark` per module or a decorator per test where a module mixes tiers:
 
     pure       in-process only: formats, rules, plans, streams, the app through FastAPI's TestClient

@@ -1,7 +1,9 @@
-"""Smoke test of the benchmark harness on a tiny checkpoint: results JSON, chart and table, no timings asserted."""
+"""Smoke test of the benchmark harness on a tiny checkpoint: results JSON, chart and table, no timings asserted;
+`python -m bench list` / `python -m bench NAME` reach every comparison."""
 
 from __future__ import annotations
 
+import ast
 import json
 import sys
 from pathlib import Path
@@ -10,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from bench import data
+from bench import commands, data, run
 from bench.baselines import chunk_script, slice_script
 from bench.compare_write import SAME_WORK, memory_summary, write_cases
 from bench.interleave import interleave
@@ -19,6 +21,7 @@ from bench.report import save
 from bench.targets import evaluate
 
 MiB = 1 << 20
+BENCH = Path(commands.__file__).resolve().parent
 
 
 @pytest.mark.multiproc
@@ -88,3 +91,51 @@ def test_interleaved_write_comparison_produces_results(tmp_path: Path) -> None:
     table = paths["md"].read_text()
     assert "| write tiny tp2 | reshard write --tp 2 |" in table
     assert "| write tiny tp2 | cp -r | " in table
+
+
+@pytest.mark.pure
+def test_every_comparison_file_is_a_command_named_after_it() -> None:
+    files = sorted(p.stem for p in BENCH.glob("compare_*.py"))
+    assert len(files) == 11
+    assert {n: m for n, m in commands.COMMANDS.items() if m.startswith("compare_")} == {
+        f.removeprefix("compare_"): f for f in files}
+    assert all((BENCH / f"{m}.py").is_file() for m in commands.COMMANDS.values())
+
+
+@pytest.mark.pure
+def test_the_readme_names_every_entry_point() -> None:
+    """Every bench module runnable as `python -m bench.MODULE` is in bench/README.md, and every command."""
+    mains = sorted(p.stem for p in BENCH.glob("*.py") if any(
+        isinstance(n, ast.If) and ast.unparse(n.test) == "__name__ == '__main__'" for n in ast.parse(p.read_text()).body))
+    assert {"run", "compare_write", "baselines", "fill_worker", "vllm_worker", "gather"} <= set(mains)
+    readme = (BENCH / "README.md").read_text()
+    assert [m for m in mains if f"`{m}.py`" not in readme and m != "run"] == []
+    assert [n for n in commands.COMMANDS if f"| `{n}` |" not in readme] == []
+
+
+@pytest.mark.pure
+def test_list_prints_every_command_with_its_module(capsys: pytest.CaptureFixture[str]) -> None:
+    assert commands.dispatch(["list"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "python -m bench NAME [ARGS]:"
+    assert [ln.split()[:4] for ln in lines[1:]] == [
+        [n, "python", "-m", f"bench.{m}"] for n, m in commands.COMMANDS.items()]
+    assert lines[1 + list(commands.COMMANDS).index("gather")].endswith(
+        "`python -m bench.gather [--reps 7]`: gathering strided runs (a row-split tensor's slice), two ways.")
+
+
+@pytest.mark.pure
+def test_a_name_runs_that_modules_main_and_the_rest_is_the_suite(monkeypatch: pytest.MonkeyPatch) -> None:
+    from bench import gather
+
+    calls: list[tuple[str, list[str]]] = []
+    monkeypatch.setattr(gather, "main", lambda argv: calls.append(("gather", argv)) or 3)
+    monkeypatch.setattr(run, "main", lambda argv: calls.append(("suite", argv)) or 0)
+    assert commands.dispatch(["gather", "--reps", "2"]) == 3
+    assert commands.dispatch(["plan", "--reps", "1"]) == 0  # no main of its own: the suite with --only
+    assert commands.dispatch(["--full", "--only", "write"]) == 0
+    assert commands.dispatch([]) == 0
+    assert calls == [("gather", ["--reps", "2"]), ("suite", ["--only", "plan", "--reps", "1"]),
+                     ("suite", ["--full", "--only", "write"]), ("suite", [])]
+    with pytest.raises(SystemExit, match="no command 'nope'; known: list, write, serve, train, plan"):
+        commands.dispatch(["nope"])

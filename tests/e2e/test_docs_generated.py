@@ -3,16 +3,14 @@ tables name everything the code registers."""
 
 from __future__ import annotations
 
-import importlib
 import re
-import sys
 from pathlib import Path
 
 import pytest
 
+from scripts import gen_docs
+
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts"))
-gen_docs = importlib.import_module("gen_docs")
 
 pytestmark = pytest.mark.pure  # in-process: settings classes, parsers and results files only
 
@@ -44,18 +42,13 @@ def _first_column(page: str, header: str) -> set[str]:
 
 def test_the_kinds_table_names_every_plain_kind() -> None:
     import reshard  # noqa: F401  (registers every shipped kind)
+    from reshard.rules.kinds import known_kinds
 
-    try:
-        from reshard.rules.kinds import known_kinds
-    except ModuleNotFoundError:
-        from reshard.loaders import known_kinds  # before the move
     plain = {k for k in known_kinds() if not k.endswith("_fp8")}
     assert plain == _first_column("manifest.md", "kind")
 
 
 def test_the_styles_table_names_every_transformers_style() -> None:
-    try:
-        from reshard.rules.tp_plans.styles import KNOWN_STYLES
-    except ModuleNotFoundError:
-        from reshard.plans.styles import KNOWN_STYLES  # before the move
+    from reshard.rules.tp_plans.styles import KNOWN_STYLES
+
     assert set(KNOWN_STYLES) == _first_column("transformers.md", "transformers style")

@@ -16,10 +16,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors import safe_open
 
-from bench.moe_data import moe_checkpoint
 from reshard.errors import ReshardError
 from reshard.format import headers
 from reshard.format.checkpoint import DTYPE_SIZES, parse_header, read_header
+from reshard.testing.moe import moe_checkpoint
 from tests.support.core import raw_safetensors
 
 pytestmark = pytest.mark.pure

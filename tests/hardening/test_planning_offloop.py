@@ -26,7 +26,6 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from bench.moe_data import moe_checkpoint
 from reshard.io.source.opener import open_source
 from reshard.plan.planner import make_plan
 from reshard.plan.types import plan_to_json
@@ -35,6 +34,7 @@ from reshard.service import Settings, create_app
 from reshard.service.api.routers import checkpoints
 from reshard.service.catalog import Catalog
 from reshard.service.transport.ranges import shard_etag
+from reshard.testing.moe import moe_checkpoint
 from tests.support import hard
 from tests.support.live import LiveServer, make_ckpt
 

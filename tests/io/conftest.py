@@ -1,8 +1,8 @@
 """Fixtures of the io tests: a real moto S3 server and a static Range file server on 127.0.0.1
-(`bench.stores`, both counting the body bytes they serve), a small checkpoint on local disk and the same
-files in the bucket and under the file server's root; a ~6 MB checkpoint for the output-fault tests and
-what an uninterrupted run of each command writes (the references every resumed output must equal byte for
-byte). The small file systems (`mounts`, `fs`) are the root conftest's."""
+(`reshard.testing.local_servers`, both counting the body bytes they serve), a small checkpoint on local
+disk and the same files in the bucket and under the file server's root; a ~6 MB checkpoint for the
+output-fault tests and what an uninterrupted run of each command writes (the references every resumed
+output must equal byte for byte). The small file systems (`mounts`, `fs`) are the root conftest's."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from typing import Any
 import boto3
 import pytest
 
-from bench.stores import StoreServer, http_server, s3_server
+from reshard.testing.local_servers import StoreServer, http_server, s3_server
 from reshard.testing.synth import llama_config, make_checkpoint
 from tests.support.fs import TP
 from tests.support.live import make_ckpt

@@ -23,11 +23,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from bench.moe_data import moe_checkpoint
 from reshard.io.rank_stream import RankStream
 from reshard.io.sinks.write import write_shards
 from reshard.io.source.opener import open_source
 from reshard.plan.planner import make_plan
+from reshard.testing.moe import moe_checkpoint
 from reshard.testing.synth import llama_config, make_checkpoint
 from tests.support.plan_reference import _extent, plan_digest, reference_plan
 

@@ -176,7 +176,7 @@ def test_full_cache_of_a_store_root_names_no_server_path(ext4: Mount, tmp_path: 
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """A root over plain HTTP keeps its stored manifests in $XDG_CACHE_HOME/reshard/...: with that on
     the full disk the answer used to be `/.../cache: no space left on device`."""
-    from bench.stores import http_server
+    from reshard.testing.local_servers import http_server
 
     make_ckpt(tmp_path / "web" / "ck")
     cache = ext4.path / "cache"

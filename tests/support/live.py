@@ -35,6 +35,7 @@ from typing import Any
 import httpx
 import torch
 
+from reshard.testing.local_servers import free_port
 from reshard.testing.synth import llama_config, make_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
@@ -45,12 +46,6 @@ def make_ckpt(path: Path, *, model_type: str = "llama", dtype: torch.dtype = tor
     """A small HF checkpoint directory (config.json + safetensors) with random weights."""
     return make_checkpoint(path, llama_config(model_type=model_type, **config), dtype=dtype,
                            num_files=num_files, seed=seed)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _status_kib(pid: int, field: str) -> int:

@@ -2,7 +2,7 @@
 
 Each is its base kind with an option `block` (the scale granularity of the trailing dims: an int is a
 block of that many indices, null one scale for the whole dim). "The split is the same, only the
-precision differs" (the seed notes), plus two rules for the tensors that come with a weight:
+precision differs", plus two rules for the tensors that come with a weight:
 
 - `X.weight` is split exactly as the base kind splits it, but every rank boundary must fall on a
   block edge; otherwise planning fails, naming the dim size, the block, tp and the tps that work.

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from bench.stores import TEST_SECRET, s3_server
-from bench.stores import s3_env as env_for
 from reshard.cli import main
 from reshard.io.sinks.write import write_shards
 from reshard.io.source.opener import open_source
 from reshard.plan.planner import make_plan
+from reshard.testing.local_servers import TEST_SECRET, s3_server
+from reshard.testing.local_servers import s3_env as env_for
 from tests.support.live import free_port, make_ckpt
 
 pytestmark = pytest.mark.servers

@@ -96,7 +96,7 @@ def test_from_s3_the_row_blocks_unless_slices_are_asked_for(wide: Path, s3: Any,
 def test_a_server_answering_one_range_is_asked_one_range(tmp_path: Path) -> None:
     """A server that answers a request for several ranges with the whole file (200) is asked once (the
     probe, whose answer is not read) and then one range per request: the rank's bytes all the same."""
-    from bench.stores import http_server
+    from reshard.testing.local_servers import http_server
 
     path = make_ckpt(tmp_path / "root" / "wide", num_files=1, **SHAPE)
     local = _write(str(path), tmp_path / "local")

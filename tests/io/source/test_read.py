@@ -117,7 +117,7 @@ def test_object_replaced_mid_stream_fails_the_stream(store, local_root: Path, mo
 @pytest.mark.servers
 @pytest.mark.parametrize("several", [False, True], ids=["one-range-GETs", "multi-range-GETs"])
 def test_5xx_answers_are_retried(local_root: Path, monkeypatch, several: bool) -> None:
-    from bench.stores import http_server
+    from reshard.testing.local_servers import http_server
 
     monkeypatch.setenv("RESHARD_STORE_RETRIES", "9")  # a GET fails 10 times in a row once in 10**6
     monkeypatch.setenv("RESHARD_STORE_MULTIRANGE", str(several).lower())

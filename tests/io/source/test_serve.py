@@ -11,9 +11,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from bench.stores import TEST_SECRET
-from bench.stores import s3_env as env_for
 from reshard.cli import main
+from reshard.testing.local_servers import TEST_SECRET
+from reshard.testing.local_servers import s3_env as env_for
 from tests.support.live import free_port, live_server
 
 pytestmark = pytest.mark.servers

@@ -1,16 +1,18 @@
-"""Local stores for tests and benchmarks: a moto S3 server and a static Range file server, each
-counting the body bytes it serves.
+"""Local servers on 127.0.0.1 for tests and benchmarks: a moto S3 server and a static Range file server,
+each counting the body bytes it serves, and the one way to start a server process and wait for it.
 
     with s3_server() as s3:                     # moto in server mode on 127.0.0.1:free port
         s3.env                                  # AWS_* variables pointing a client at it
         s3.counts()                             # {"bytes": N, "requests": N} served so far
         s3.reset()
-    with http_server(root) as web:              # bench.fileserver (Starlette FileResponse: Range, ETag)
+    with http_server(root) as web:              # reshard.testing.fileserver (Starlette FileResponse: Range, ETag)
         web.url + "/files/NAME/"                # a checkpoint directory over plain HTTP
+    with server(argv, ready_url) as proc: ...   # any server: started, waited for, stopped by its own pid
 
-Each server is a subprocess (`python -m bench.stores s3|http --port P [--root DIR]`); the counts come
-from a WSGI/ASGI wrapper around the real server, at `GET /_reshard_counts` (bucket names cannot start
-with `_`, so the path never reaches moto), reset by `DELETE` on the same path.
+Each store is a subprocess (`python -m reshard.testing.local_servers s3|http --port P [--root DIR]`); the
+counts come from a WSGI/ASGI wrapper around the real server, at `GET /_reshard_counts` (bucket names cannot
+start with `_`, so the path never reaches moto), reset by `DELETE` on the same path. moto (the `test` and
+`bench` extras) is imported only in the S3 server's process.
 """
 
 from __future__ import annotations
@@ -20,18 +22,22 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Iterator
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]  # the directory holding the reshard package
 COUNTS_PATH = "/_reshard_counts"
 # moto accepts any key unless authentication is enabled; these only have to look like credentials
 TEST_KEY_ID, TEST_SECRET = "AKIARESHARDTEST00001", "reshard-test-secret-key-000000000000000"
@@ -122,10 +128,59 @@ def _serve_s3(port: int) -> None:
 def _serve_http(port: int, root: str, fail_every: int, one_range: bool) -> None:
     import uvicorn
 
-    os.environ["BENCH_FILE_ROOT"] = root
-    from bench.fileserver import app
+    from reshard.testing.fileserver import file_app
 
-    uvicorn.run(counting_asgi(app, _Counter(fail_every, one_range)), host="127.0.0.1", port=port, log_level="warning", access_log=False)
+    uvicorn.run(counting_asgi(file_app(root), _Counter(fail_every, one_range)), host="127.0.0.1", port=port, log_level="warning", access_log=False)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode} before answering {url}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status < 500:
+                    return
+        except urllib.error.HTTPError as e:
+            if e.code < 500:
+                return
+        except OSError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"server did not answer {url} within {timeout:.0f} s")
+
+
+@contextlib.contextmanager
+def server(argv: Sequence[str], ready_url: str, *, env: dict[str, str] | None = None,
+           log: Path | None = None, timeout: float = 60.0) -> Iterator[subprocess.Popen[bytes]]:
+    """Start `argv`, wait until `ready_url` answers, yield the process; stop it afterwards."""
+    out = open(log, "wb") if log else subprocess.DEVNULL  # noqa: SIM115
+    proc = subprocess.Popen(list(argv), env={**os.environ, **(env or {})}, cwd=REPO, stdout=out,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        try:
+            wait_ready(ready_url, proc, timeout)
+        except RuntimeError as e:
+            tail = log.read_text(errors="replace")[-1500:] if log and log.exists() else ""
+            raise RuntimeError(f"{e}: {' '.join(argv)}\n{tail}") from None
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM if argv[0] != "nginx" and not argv[0].endswith("/nginx") else signal.SIGQUIT)
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if log:
+            out.close()
 
 
 @dataclass
@@ -151,13 +206,11 @@ def s3_env(endpoint: str, *, key_id: str = TEST_KEY_ID, secret: str = TEST_SECRE
 
 @contextlib.contextmanager
 def _spawn(args: list[str], env: dict[str, str] | None = None, timeout: float = 60.0) -> Iterator[StoreServer]:
-    from bench.servers import free_port, server  # the one start / wait until it answers / stop
-
     port = free_port()
     full_env = {**(env or {}), "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     url = f"http://127.0.0.1:{port}"
     with tempfile.TemporaryDirectory(prefix="reshard-store-") as d, \
-            server([sys.executable, "-m", "bench.stores", *args, "--port", str(port)], url + COUNTS_PATH,
+            server([sys.executable, "-m", "reshard.testing.local_servers", *args, "--port", str(port)], url + COUNTS_PATH,
                    env=full_env, log=Path(d) / "server.log", timeout=timeout) as proc:
         yield StoreServer(url, proc)
 
@@ -174,7 +227,7 @@ def s3_server(*, authenticate: bool = False) -> Iterator[StoreServer]:
 
 @contextlib.contextmanager
 def http_server(root: Path, *, fail_every: int = 0, one_range: bool = False) -> Iterator[StoreServer]:
-    """`bench.fileserver` over `root`: GET /files/PATH with Range (one range or several: a
+    """`reshard.testing.fileserver` over `root`: GET /files/PATH with Range (one range or several: a
     multipart/byteranges answer), ETag and Last-Modified; with `fail_every`, every N-th request is
     answered 503 instead; with `one_range`, a request for several ranges gets the whole file (200)."""
     with _spawn(["http", "--root", str(root), "--fail-every", str(fail_every), *(["--one-range"] if one_range else [])]) as srv:
@@ -182,7 +235,7 @@ def http_server(root: Path, *, fail_every: int = 0, one_range: bool = False) -> 
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m bench.stores")
+    p = argparse.ArgumentParser(prog="python -m reshard.testing.local_servers")
     p.add_argument("kind", choices=["s3", "http"])
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--root", default=".")
