@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from reshard.io.source.cached_object import CachedObject, Source
 from reshard.io.source.readers import Reader, RemoteReader, open_reader
+from reshard.io.source.stores import is_url
 from reshard.plan.reads import SCRATCH, Interleave, Segment, piece_reads, runs_array
 from reshard.plan.types import RankPlan
 
@@ -79,18 +80,17 @@ class RankStream:
             assert pos == self.size
         self._starts, self._pieces = starts, pieces
         self._pinned: deque[tuple[int, CachedObject, tuple[int, int]]] = deque()  # (end, blocks, source) not sent yet
+        self._prefetch: Prefetcher | None = None
         try:
-            for path, key in plan.files.items():
-                self._readers[path] = open_reader(path, key)
+            if any(is_url(path) for path in plan.files):  # only a store's stream fetches ahead (and reads the store settings)
+                from reshard.io.source.prefetch import Prefetcher
+
+                self._prefetch = Prefetcher(starts, pieces, self.size)
+            for path, key in plan.files.items():  # its remote readers are built with it
+                self._readers[path] = open_reader(path, key, fetch_ahead=self._prefetch)
         except BaseException:
             self.close()
             raise
-        remote = {p: r for p, r in self._readers.items() if isinstance(r, RemoteReader)}
-        self._prefetch: Prefetcher | None = None
-        if remote:  # only a store's stream fetches ahead (and reads the store settings)
-            from reshard.io.source.prefetch import Prefetcher
-
-            self._prefetch = Prefetcher(starts, pieces, self.size, remote)
 
     def __enter__(self) -> RankStream:
         return self
