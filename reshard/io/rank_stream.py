@@ -7,6 +7,11 @@ files are opened once through a reader (`reshard.io.source.readers`: pread on a 
 from a store, fetched ahead by a `Prefetcher` within a fixed cap) and checked against the plan's
 identity at open and after every read: a file that changes under the stream fails it
 (`SourceChangedError`) rather than yield mixed bytes.
+
+A sink that can have the kernel copy file ranges walks `runs` instead of reading chunks (and says
+what it has sent with `done`); one that keeps whole copies of the pieces the stream gathers
+(`gathered`) hands them to `runs` as `PieceCopies`, so they go out as ranges of the copies too. The
+stream knows no sink: it asks only that interface, and by default there are no copies.
 """
 
 from __future__ import annotations
@@ -14,12 +19,13 @@ from __future__ import annotations
 import bisect
 import functools
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from reshard.io.source.cached_object import CachedObject, Source
 from reshard.io.source.readers import Reader, RemoteReader, open_reader
+from reshard.io.source.stores import is_url
 from reshard.plan.reads import SCRATCH, Interleave, Segment, piece_reads, runs_array
 from reshard.plan.types import RankPlan
 
@@ -27,6 +33,24 @@ if TYPE_CHECKING:
     from reshard.io.source.prefetch import Prefetcher
 
 CHUNK = 8 << 20
+
+
+class PieceCopies(Protocol):
+    """Whole copies of some of a stream's pieces (by piece number, see `RankStream.gathered`) in files
+    a sink keeps open while it walks `RankStream.runs`: a copied piece goes out as a range of its copy."""
+
+    def copy_of(self, piece: int) -> tuple[int, int] | None:
+        """(fd, offset) of the file range that holds piece `piece`'s bytes, or None (no copy of it)."""
+
+
+class NoCopies:
+    """No piece has a copy (the default of `RankStream.runs`)."""
+
+    def copy_of(self, piece: int) -> None:
+        return None
+
+
+NO_COPIES = NoCopies()
 
 
 class RankStream:
@@ -55,20 +79,18 @@ class RankStream:
                         pos += seg.nbytes
             assert pos == self.size
         self._starts, self._pieces = starts, pieces
-        self._copies: dict[int, tuple[int, int]] = {}  # piece index -> (fd, offset) of a copy of its bytes
         self._pinned: deque[tuple[int, CachedObject, tuple[int, int]]] = deque()  # (end, blocks, source) not sent yet
+        self._prefetch: Prefetcher | None = None
         try:
-            for path, key in plan.files.items():
-                self._readers[path] = open_reader(path, key)
+            if any(is_url(path) for path in plan.files):  # only a store's stream fetches ahead (and reads the store settings)
+                from reshard.io.source.prefetch import Prefetcher
+
+                self._prefetch = Prefetcher(starts, pieces, self.size)
+            for path, key in plan.files.items():  # its remote readers are built with it
+                self._readers[path] = open_reader(path, key, fetch_ahead=self._prefetch)
         except BaseException:
             self.close()
             raise
-        remote = {p: r for p, r in self._readers.items() if isinstance(r, RemoteReader)}
-        self._prefetch: Prefetcher | None = None
-        if remote:  # only a store's stream fetches ahead (and reads the store settings)
-            from reshard.io.source.prefetch import Prefetcher
-
-            self._prefetch = Prefetcher(starts, pieces, self.size, remote)
 
     def __enter__(self) -> RankStream:
         return self
@@ -101,24 +123,26 @@ class RankStream:
             pos += n
             yield out
 
-    def runs(self, start: int = 0, end: int | None = None, *, chunk_size: int, direct_min: int
-             ) -> Iterator[tuple[int, int, Source | None]]:
+    def runs(self, start: int = 0, end: int | None = None, *, chunk_size: int, direct_min: int,
+             copies: PieceCopies = NO_COPIES) -> Iterator[tuple[int, int, Source | None]]:
         """Bytes [start, end) as consecutive runs (output offset, length, source), for sinks that can
         have the kernel copy file ranges (`copy_file_range`, `sendfile`): `source` is (fd, offset) for
-        a contiguous range of at least `direct_min` bytes of a local source file, or of a store
-        object's block file in the node's cache (call `done` once it is sent; where the block is still
-        on its way, a function that waits for it off the event loop and returns (fd, offset), or None:
-        then fill the run with `read_into`); otherwise None, a run of at most `chunk_size` bytes to
-        fill with `read_into` (neighbouring small pieces merged). Never waits on a store."""
+        a contiguous range of at least `direct_min` bytes of a local source file, of a piece's copy
+        in `copies`, or of a store object's block file in the node's cache (call `done` once it is
+        sent; where the block is still on its way, a function that waits for it off the event loop
+        and returns (fd, offset), or None: then fill the run with `read_into`); otherwise None, a run
+        of at most `chunk_size` bytes to fill with `read_into` (neighbouring small pieces merged).
+        Never waits on a store."""
         end = self.size if end is None else end
         if not 0 <= start <= end <= self.size:
             raise ValueError(f"byte range [{start}, {end}) outside 0..{self.size}")
         pending, pos = start, start  # bytes [pending, pos) are still to be yielded as read runs
         i = bisect.bisect_right(self._starts, start) - 1
+        copy_of = copies.copy_of
         while pos < end:
             piece, base = self._pieces[i], self._starts[i]
             hi = min(base + _nbytes(piece), end)
-            for a, b, src in self._sources(i, pos, hi, direct_min):
+            for a, b, src in self._sources(i, pos, hi, direct_min, copy_of):
                 if src is not None:
                     while pending < a:
                         n = min(chunk_size, a - pending)
@@ -134,14 +158,16 @@ class RankStream:
         if pending < end:
             yield pending, end - pending, None
 
-    def _sources(self, i: int, pos: int, hi: int, direct_min: int) -> Iterator[tuple[int, int, Source | None]]:
+    def _sources(self, i: int, pos: int, hi: int, direct_min: int, copy_of: Callable[[int], tuple[int, int] | None]
+                 ) -> Iterator[tuple[int, int, Source | None]]:
         """Output bytes [pos, hi) of piece i as parts (start, end, source or None) (see `runs`)."""
         piece, base = self._pieces[i], self._starts[i]
         if self._direct(piece):
             yield pos, hi, (self._readers[piece.file].fd, piece.offset + pos - base) if hi - pos >= direct_min else None
             return
-        if i in self._copies:
-            fd, at = self._copies[i]
+        copied = copy_of(i)
+        if copied is not None:
+            fd, at = copied
             yield pos, hi, (fd, at + pos - base) if hi - pos >= direct_min else None
             return
         reader = self._readers.get(piece.file) if isinstance(piece, Segment) and piece.contiguous else None
@@ -180,8 +206,8 @@ class RankStream:
 
     def gathered(self, min_bytes: int) -> list[tuple[int, int, int]]:
         """(index, output offset, length) of each piece of at least `min_bytes` that is gathered from
-        local source files (strided or interleaved), in order: what a sink keeping a contiguous copy
-        of them (`reshard.service.transport.gathered`) copies, so that `runs` can yield them as file ranges later."""
+        local source files (strided or interleaved), in order: what a sink keeping whole copies of
+        them copies, so that `runs` can yield them as ranges of their copies later (`PieceCopies`)."""
         out = []
         for i, piece in enumerate(self._pieces):
             if (isinstance(piece, (Segment, Interleave)) and piece.nbytes >= min_bytes and not self._direct(piece)
@@ -194,11 +220,6 @@ class RankStream:
         if not 0 <= i < len(self._starts):
             raise IndexError(i)
         return _nbytes(self._pieces[i])
-
-    def use_copies(self, copies: dict[int, tuple[int, int]]) -> None:
-        """Read pieces (by index) from (fd, offset) of a file holding their bytes: `runs` yields them as
-        ranges of that file (the caller keeps the descriptors open while the stream is used)."""
-        self._copies = copies
 
     def read_into(self, pos: int, out: memoryview, *, check: bool = True) -> None:
         """Fill `out` with the stream's bytes starting at `pos`; then, with `check`, raise

@@ -151,27 +151,27 @@ class _Window:
 
 
 class Prefetcher:
-    """Fetches ahead the source ranges of a stream's next windows; `copy` serves reads from them."""
+    """Fetches ahead the source ranges of a stream's next windows; `copy` serves reads from them. Its
+    readers are the remote readers built with it (`RemoteReader(..., fetch_ahead=)` calls `add`)."""
 
-    def __init__(self, starts: list[int], pieces: list[Any], size: int, readers: dict[str, RemoteReader], *,
+    def __init__(self, starts: list[int], pieces: list[Any], size: int, *,
                  window: int | None = None, cap: int | None = None) -> None:
-        from reshard.io.source.multirange import client_for
-
-        self.starts, self.pieces, self.size, self.readers = starts, pieces, size, readers
+        self.starts, self.pieces, self.size = starts, pieces, size
+        self.readers: dict[str, RemoteReader] = {}
         settings = library_settings()
         self.window, self.cap = window or WINDOW, cap or settings.store_inflight
         self.max_gap, self.waste = settings.store_max_gap, settings.store_waste
         self.range_gap = settings.store_range_gap
-        for r in readers.values():
-            r.multi = None if r.blocks is not None else client_for(r.store, r.key, r.size, r.version)
         self.settings = settings
         self.windows: deque[_Window] = deque()
         self.next = 0  # output offset the next window starts at
         self.buffered = 0
         self.spare = 0  # gap bytes the stream may still fetch to save requests
         self._lock = threading.Lock()  # the reader thread plans, the sink's thread drops what it sent
-        for r in readers.values():
-            r.prefetcher = self
+
+    def add(self, reader: RemoteReader) -> None:
+        """Fetch ahead `reader`'s ranges of the stream too (before the stream reads anything)."""
+        self.readers[reader.path] = reader
 
     def ensure(self, lo: int, hi: int) -> None:
         """Before the stream reads bytes [lo, hi): drop windows behind, plan and fetch ahead."""

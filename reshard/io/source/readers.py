@@ -1,10 +1,11 @@
 """How a `RankStream` reads its source files: `pread` on a local fd, or ranged GETs from a store.
 
-`open_reader(path, key)` gives a `LocalReader` (the fd also serves kernel copies) or a
+`open_reader(path, key, fetch_ahead=)` gives a `LocalReader` (the fd also serves kernel copies) or a
 `RemoteReader`. A remote object is read through the node's store cache where one is on (the
 service's: `reshard.io.source.store_cache`), its blocks as local files (`reshard.io.source.cached_object`); else from
-ranges the stream's `Prefetcher` (`reshard.io.source.prefetch`) fetched ahead into memory, and direct GETs
-for anything it did not. Each GET names the planned ETag: a replaced object fails the stream.
+ranges its fetch-ahead (the stream's `Prefetcher`, `reshard.io.source.prefetch`, given to the reader when it
+is built) fetched into memory, and direct GETs for anything it did not. Each GET names the planned
+ETag: a replaced object fails the stream.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ if TYPE_CHECKING:
     import numpy as np
 
     from reshard.io.source.multirange import MultiRangeClient
-    from reshard.io.source.prefetch import Prefetcher
 
 
 class Reader(Protocol):
@@ -46,6 +46,16 @@ class Reader(Protocol):
         """Raise `SourceChangedError` if the file changed since it was planned."""
 
     def close(self) -> None: ...
+
+
+class FetchAhead(Protocol):
+    """A stream's fetch-ahead as its remote readers use it (`reshard.io.source.prefetch.Prefetcher`)."""
+
+    def add(self, reader: RemoteReader) -> None:
+        """Fetch ahead `reader`'s ranges of the stream too."""
+
+    def copy(self, path: str, offset: int, dst: memoryview) -> bool:
+        """Fill dst with bytes [offset, offset+len(dst)) of `path` fetched ahead; False if some were not."""
 
 
 class LocalReader:
@@ -91,18 +101,24 @@ class LocalReader:
 
 class RemoteReader:
     """An object in a store: read from the node's block cache where one is on (`blocks`), else
-    through the stream's `Prefetcher` (direct GETs for anything it did not fetch ahead)."""
+    through its fetch-ahead where it has one (direct GETs for anything it did not fetch)."""
 
     fd = None
 
-    def __init__(self, path: str, key: Sequence[Any]) -> None:
+    def __init__(self, path: str, key: Sequence[Any], *, fetch_ahead: FetchAhead | None = None) -> None:
+        from reshard.io.source.multirange import client_for
+
         self.path = path
         self.size, self.version = int(key[0]), str(key[1])
         self.store, self.key = store_for(path)
-        self.prefetcher: Prefetcher | None = None
-        self.multi: MultiRangeClient | None = None  # set by the Prefetcher where the server answers several ranges
         cache = store_cache.current()
         self.blocks = CachedObject(cache, self._pieces, path, self.version, self.size) if cache is not None else None
+        # fetched ahead in requests for several ranges where the server answers them (not into the block cache)
+        self.multi: MultiRangeClient | None = (client_for(self.store, self.key, self.size, self.version)
+                                               if fetch_ahead is not None and self.blocks is None else None)
+        self.fetch_ahead = fetch_ahead
+        if fetch_ahead is not None:
+            fetch_ahead.add(self)
 
     def fetch_ranges(self, ranges: list[tuple[int, int]], dests: list[memoryview] | None = None) -> list[memoryview]:
         """Bytes [a, b) for each (a, b) of `ranges` (copied into `dests` where given, and then returned
@@ -148,11 +164,11 @@ class RemoteReader:
     def pread(self, dst: memoryview, offset: int) -> None:
         if self.blocks is not None:
             self.blocks.pread(dst, offset)
-        elif self.prefetcher is None or not self.prefetcher.copy(self.path, offset, dst):
+        elif self.fetch_ahead is None or not self.fetch_ahead.copy(self.path, offset, dst):
             dst[:] = self.fetch(offset, offset + len(dst))
 
     def pread_runs(self, dst: memoryview, offset: int, run: int, stride: int, count: int) -> None:
-        if self.prefetcher is not None and self.blocks is None and self.prefetcher.copy(self.path, offset, dst):
+        if self.fetch_ahead is not None and self.blocks is None and self.fetch_ahead.copy(self.path, offset, dst):
             return  # the span was fetched ahead as one row block
         for i in range(count):
             self.pread(dst[i * stride : i * stride + run], offset + i * stride)
@@ -171,5 +187,7 @@ class RemoteReader:
             self.blocks.close()
 
 
-def open_reader(path: str, key: Sequence[Any]) -> Reader:
-    return RemoteReader(path, key) if is_url(path) else LocalReader(path, key)
+def open_reader(path: str, key: Sequence[Any], *, fetch_ahead: FetchAhead | None = None) -> Reader:
+    """The reader of one source file: a store object (fetched ahead by `fetch_ahead` where given) or a
+    local file."""
+    return RemoteReader(path, key, fetch_ahead=fetch_ahead) if is_url(path) else LocalReader(path, key)

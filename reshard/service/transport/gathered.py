@@ -87,9 +87,10 @@ class GatherCache:
         return cache
 
     def attach(self, stream: RankStream, etag: str, *, whole: bool) -> Copy | Copier | None:
-        """Call in the thread that opened `stream`: its gathered pieces now come from their copy if
-        there is one (a `Copy` to close with the stream), or a `Copier` that writes the copy while a
-        whole body is read (`feed` every read run, `close` with the stream); else None."""
+        """Call in the thread that opened `stream`: the copy of its gathered pieces if there is one (a
+        `Copy`, the `PieceCopies` to walk the stream's `runs` with; close it with the stream), or a
+        `Copier` that writes the copy while a whole body is read (`feed` every read run, `close` with
+        the stream); else None."""
         name = etag.strip('"')
         path = self.dir / f"{name}.bin"
         try:
@@ -104,8 +105,7 @@ class GatherCache:
             if copies is not None:
                 with contextlib.suppress(OSError):
                     os.utime(path)  # most recently used
-                stream.use_copies({i: (fd, at) for i, at in copies.items()})
-                return Copy(fd)
+                return Copy(fd, copies)
             os.close(fd)  # damaged, or not a copy this code wrote: this pull replaces it
         if not whole or (self.dir / f"{name}.none").exists():
             return None
@@ -157,10 +157,15 @@ class GatherCache:
 
 
 class Copy:
-    """An open copy a stream reads its gathered pieces from."""
+    """An open copy a stream's `runs` send its gathered pieces from (`reshard.io.rank_stream.PieceCopies`)."""
 
-    def __init__(self, fd: int) -> None:
+    def __init__(self, fd: int, at: dict[int, int]) -> None:
+        """`at`: piece number -> offset of its bytes in the copy (the copy's index)."""
         self.fd = fd
+        self.pieces = {i: (fd, offset) for i, offset in at.items()}
+
+    def copy_of(self, piece: int) -> tuple[int, int] | None:
+        return self.pieces.get(piece)
 
     def feed(self, pos: int, buf: memoryview) -> None:
         pass

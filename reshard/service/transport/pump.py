@@ -24,7 +24,7 @@ import anyio.to_thread
 from starlette.types import Receive, Send
 
 from reshard.errors import ReshardError, SourceChangedError
-from reshard.io.rank_stream import RankStream
+from reshard.io.rank_stream import NO_COPIES, RankStream
 from reshard.service.prometheus import ServiceMetrics
 from reshard.service.transport.buffers import POOL
 from reshard.service.transport.gathered import Copier, Copy
@@ -52,7 +52,8 @@ class BodyPump:
         self.sha = hashlib.sha256() if whole else None
         # ranges of local source files go out by sendfile where the server can (not while hashing)
         direct = zero_copy and self.sha is None
-        self.runs = stream.runs(start, end, chunk_size=chunk_size, direct_min=DIRECT_MIN if direct else end + 1)
+        self.runs = stream.runs(start, end, chunk_size=chunk_size, direct_min=DIRECT_MIN if direct else end + 1,
+                                copies=copy if isinstance(copy, Copy) else NO_COPIES)
 
     async def run(self, receive: Receive, send: Send) -> str:
         self._send, self._receive = send, receive

@@ -128,3 +128,66 @@ def test_5xx_answers_are_retried(local_root: Path, monkeypatch, several: bool) -
     local, local_manifest = open_source(local_root / "llama")
     assert got == [_bytes(rp) for rp in make_plan(local, local_manifest, 2).ranks]
     assert counts["failed"] >= counts["requests"] // (2 if several else 4) > 5
+
+
+@pytest.mark.servers
+def test_a_remote_reader_is_built_with_its_fetch_ahead(web, local_root: Path) -> None:
+    """A store object's reader is built with its fetch-ahead and adds itself to it (nothing sets it from
+    outside): what the fetch-ahead holds is read from it, the rest by a GET of its own."""
+    from reshard.io.source.readers import RemoteReader
+
+    remote, manifest = open_source(f"{web.url}/files/llama/")
+    path, key = next(iter(make_plan(remote, manifest, 2).ranks[0].files.items()))
+    data = (local_root / "llama" / path.rsplit("/", 1)[1]).read_bytes()
+
+    class Ahead:  # holds bytes [100, 150) of the object
+        def __init__(self) -> None:
+            self.readers: list[RemoteReader] = []
+
+        def add(self, reader: RemoteReader) -> None:
+            self.readers.append(reader)
+
+        def copy(self, p: str, offset: int, dst: memoryview) -> bool:
+            if p != path or offset < 100 or offset + len(dst) > 150:
+                return False
+            dst[:] = data[offset : offset + len(dst)]
+            return True
+
+    ahead = Ahead()
+    reader = RemoteReader(path, key, fetch_ahead=ahead)
+    assert ahead.readers == [reader] and reader.fetch_ahead is ahead
+    web.reset()
+    buf = memoryview(bytearray(50))
+    reader.pread(buf, 100)
+    assert bytes(buf) == data[100:150] and web.reset()["requests"] == 0  # from the fetch-ahead
+    reader.pread(buf, 150)
+    assert bytes(buf) == data[150:200] and web.reset()["requests"] == 1  # not fetched ahead: one GET
+    alone = RemoteReader(path, key)
+    assert alone.fetch_ahead is None and alone.multi is None
+    alone.pread(buf, 100)
+    assert bytes(buf) == data[100:150] and web.reset()["requests"] == 1
+
+
+@pytest.mark.pure
+def test_readers_and_prefetch_import_each_other_only_for_types() -> None:
+    """readers.py names the fetch-ahead by a protocol of its own and never imports prefetch.py;
+    prefetch.py imports readers.py for its types only."""
+    import ast
+
+    import reshard.io.source.prefetch as prefetch
+    import reshard.io.source.readers as readers
+
+    def imports(module: object) -> tuple[set[str], set[str]]:
+        """(modules imported at run time, modules imported under `if TYPE_CHECKING`)."""
+        tree = ast.parse(Path(str(getattr(module, "__file__", ""))).read_text())
+        typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
+                       and ast.unparse(node.test) == "TYPE_CHECKING" for n in ast.walk(node)}
+        runtime, types = set(), set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                (types if id(node) in typing_only else runtime).add(node.module)
+        return runtime, types
+
+    assert "reshard.io.source.prefetch" not in set().union(*imports(readers))
+    runtime, types = imports(prefetch)
+    assert "reshard.io.source.readers" not in runtime and "reshard.io.source.readers" in types
