@@ -101,3 +101,16 @@ def test_module_names_are_used_once() -> None:
         if path.name not in ("__init__.py", "__main__.py"):
             seen.setdefault(path.name, []).append(str(path.relative_to(ROOT)))
     assert {k: v for k, v in seen.items() if len(v) > 1} == {}
+
+
+def test_class_names_are_used_once() -> None:
+    """A public class name says one thing: no two classes of reshard/ share it (a private `_Name` is local
+    to its module), so `Layout` is the parallel layout and `Source` the checkpoint wherever they are read."""
+    seen: dict[str, list[str]] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+                seen.setdefault(node.name, []).append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert {k: v for k, v in seen.items() if len(v) > 1} == {}
+    assert [p.split(":")[0] for p in seen["Layout"]] == ["reshard/layout/mesh.py"]
+    assert [p.split(":")[0] for p in seen["Source"]] == ["reshard/format/checkpoint.py"]

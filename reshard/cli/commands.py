@@ -13,7 +13,7 @@ from reshard.io.progress import add_progress_flags, human
 from reshard.io.sinks.write import write_shards
 from reshard.io.source.opener import open_source
 from reshard.io.source.stores import is_url
-from reshard.layout.mesh import Layout
+from reshard.layout.mesh import DIMENSIONS, Layout
 from reshard.plan.planner import make_plan
 from reshard.plan.types import Plan, plan_to_json, rank_file_name
 from reshard.rules.engines import known_engines
@@ -81,15 +81,12 @@ def add_layout_flags(p: argparse.ArgumentParser) -> None:
     """--tp, --pp, --fsdp, --ep, --dp-replicate: the layout, each 1 unless given."""
     g = p.add_argument_group("layout", "parallel sizes, each 1 unless given; the world is pp x dp_replicate x fsdp "
                              "x tp ranks, numbered as transformers' DistributedConfig meshes number them")
-    g.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
-    g.add_argument("--pp", type=int, default=1, help="pipeline stages")
-    g.add_argument("--fsdp", type=int, default=1, help="FSDP shards of every parameter (dim 0)")
-    g.add_argument("--ep", type=int, default=1, help="expert-parallel degree (a multiple of tp dividing fsdp x tp)")
-    g.add_argument("--dp-replicate", type=int, default=1, help="data-parallel replicas (HSDP): identical shards")
+    for d in DIMENSIONS:
+        g.add_argument("--" + d.name.replace("_", "-"), type=int, default=d.default, help=d.help)
 
 
 def layout_of(args: argparse.Namespace) -> Layout:
-    return Layout(tp=args.tp, pp=args.pp, fsdp=args.fsdp, ep=args.ep, dp_replicate=args.dp_replicate)
+    return Layout.from_sizes(args)
 
 
 def _common(p: argparse.ArgumentParser) -> None:

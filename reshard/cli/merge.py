@@ -16,7 +16,7 @@ def cmd_merge(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(summary))
     else:
-        print(f"merged {summary['tensors']} tensors from {Layout(**summary['layout']).describe()} shards into {args.out} "
+        print(f"merged {summary['tensors']} tensors from {Layout.from_sizes(summary['layout']).describe()} shards into {args.out} "
               f"({human(summary['bytes'])} in {len(summary['files'])} file(s))")
     return 0
 

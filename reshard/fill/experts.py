@@ -46,7 +46,7 @@ class ExpertPiece:
 
 
 @dataclass
-class Layout:
+class ExpertLayout:
     """Every shard name, either renamed to a model tensor name or an ExpertPiece of a fused parameter."""
 
     renamed: dict[str, str] = field(default_factory=dict)
@@ -71,13 +71,13 @@ class ExpertView:
     held: Held
 
 
-def shard_layout(model: nn.Module, names: Sequence[str]) -> Layout:
+def shard_layout(model: nn.Module, names: Sequence[str]) -> ExpertLayout:
     """Where each shard tensor goes in `model`: its own tensors keep their names, others are renamed by
     transformers' renamings (unknown names pass through, for the caller to report), and per-expert
     tensors that a converter fuses become Pieces. A converter this cannot map back is a PlanError."""
     own = set(model.state_dict(keep_vars=True)) | {n for n, _ in model.named_parameters()}
     if own.issuperset(names):  # nothing to rename: transformers' mapping (~900 regexes, 0.3 s) is not needed
-        return Layout(renamed={n: n for n in names})
+        return ExpertLayout(renamed={n: n for n in names})
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import (
         WeightConverter,
@@ -89,7 +89,7 @@ def shard_layout(model: nn.Module, names: Sequence[str]) -> Layout:
     transforms = get_model_conversion_mapping(model)
     renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
-    layout = Layout()
+    layout = ExpertLayout()
     for name in names:
         if name in own:
             layout.renamed[name] = name
@@ -164,7 +164,7 @@ def expert_views(
     return out
 
 
-def uncovered(state: Mapping[str, torch.Tensor], layout: Layout, views: Mapping[str, ExpertView],
+def uncovered(state: Mapping[str, torch.Tensor], layout: ExpertLayout, views: Mapping[str, ExpertView],
               names: Iterable[str]) -> tuple[list[str], list[str]]:
     """(the model tensors of `state` that no shard tensor fills, a tied alias counting as filled with
     its twin; the shard `names` that fill nothing): both empty when shard and model agree."""
@@ -205,4 +205,4 @@ def _source_span(k: int, dim: int, by_source: Mapping[int, Mapping[int, str]],
     return base, int(shard_shapes[_any(by_source[k])][dim]), base
 
 
-__all__ = ["ExpertView", "Layout", "ExpertPiece", "expert_views", "partly_covered", "shard_layout"]
+__all__ = ["ExpertView", "ExpertLayout", "ExpertPiece", "expert_views", "partly_covered", "shard_layout"]

@@ -33,7 +33,7 @@ from reshard.fill.experts import Held, expert_views, partly_covered, shard_layou
 from reshard.fill.into_params import RankHeader, fill_parameters, read_header_from
 from reshard.fill.open import open_rank_stream
 from reshard.format.torch_side import TORCH_DTYPES
-from reshard.layout.mesh import Layout
+from reshard.layout.mesh import DIMS, Layout
 from reshard.tp.comm import tp_rank, tp_world_size
 
 _LIST = 6  # names shown per list in an error
@@ -103,8 +103,7 @@ def _layout_and_rank(model: nn.Module, group: ProcessGroup | None, layout: Layou
 
     config = getattr(getattr(model, "config", None), "distributed_config", None)
     if layout is None and config is not None and group is None:
-        layout = Layout(tp=config.tp_size, pp=config.pp_size, fsdp=config.fsdp_size, ep=config.ep_size,
-                        dp_replicate=config.dp_replicate_size)
+        layout = Layout.from_sizes({d: getattr(config, f"{d}_size") for d in DIMS})  # DistributedConfig's `tp_size`, ...
     if layout is not None and not layout.tp_only:
         rank = dist.get_rank(group) if dist.is_initialized() else 0
         if dist.is_initialized() and dist.get_world_size(group) != layout.world:

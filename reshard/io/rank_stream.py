@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator
 from types import TracebackType
 from typing import TYPE_CHECKING, Protocol
 
-from reshard.io.source.cached_object import CachedObject, Source
+from reshard.io.source.cached_object import BytesAt, CachedObject
 from reshard.io.source.readers import Reader, RemoteReader, open_reader
 from reshard.io.source.stores import is_url
 from reshard.plan.reads import SCRATCH, Interleave, Segment, piece_reads, runs_array
@@ -124,7 +124,7 @@ class RankStream:
             yield out
 
     def runs(self, start: int = 0, end: int | None = None, *, chunk_size: int, direct_min: int,
-             copies: PieceCopies = NO_COPIES) -> Iterator[tuple[int, int, Source | None]]:
+             copies: PieceCopies = NO_COPIES) -> Iterator[tuple[int, int, BytesAt | None]]:
         """Bytes [start, end) as consecutive runs (output offset, length, source), for sinks that can
         have the kernel copy file ranges (`copy_file_range`, `sendfile`): `source` is (fd, offset) for
         a contiguous range of at least `direct_min` bytes of a local source file, of a piece's copy
@@ -159,7 +159,7 @@ class RankStream:
             yield pending, end - pending, None
 
     def _sources(self, i: int, pos: int, hi: int, direct_min: int, copy_of: Callable[[int], tuple[int, int] | None]
-                 ) -> Iterator[tuple[int, int, Source | None]]:
+                 ) -> Iterator[tuple[int, int, BytesAt | None]]:
         """Output bytes [pos, hi) of piece i as parts (start, end, source or None) (see `runs`)."""
         piece, base = self._pieces[i], self._starts[i]
         if self._direct(piece):
@@ -184,7 +184,7 @@ class RankStream:
             yield pos, pos + n, src
             pos += n
 
-    def _pin(self, end: int, blocks: CachedObject, src: Source) -> tuple[int, int] | None:
+    def _pin(self, end: int, blocks: CachedObject, src: BytesAt) -> tuple[int, int] | None:
         """Keep `src` (or what the wait for it gives) open until the sink is done with byte `end`."""
         got = src() if callable(src) else src
         if got is not None:

@@ -14,13 +14,38 @@ dp_replicate coordinate hold identical shards (`Layout.replicas`).
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from reshard.errors import PlanError
 
 MAX_WORLD = 4096
-DIMS = ("tp", "pp", "fsdp", "ep", "dp_replicate")
+
+
+@dataclass(frozen=True)
+class Dim:
+    """One parallel dimension: its name (a `Layout` field, a `--flag`, a query parameter, a JSON key),
+    what it means, its size when not given, and its place in the mesh order (outermost first)."""
+
+    name: str
+    help: str
+    mesh: int
+    default: int = 1
+
+
+# THE parallel dimensions: a new one is one entry here (and its field on `Layout`, its math in coords);
+# the CLI flags, the service's query parameters and job body, and every listing of sizes come from it
+DIMENSIONS = (
+    Dim("tp", "tensor-parallel degree", mesh=3),
+    Dim("pp", "pipeline stages", mesh=0),
+    Dim("fsdp", "FSDP shards of every parameter (dim 0)", mesh=2),
+    Dim("ep", "expert-parallel degree (a multiple of tp dividing fsdp x tp)", mesh=4),
+    Dim("dp_replicate", "data-parallel replicas (HSDP): identical shards", mesh=1),
+)
+DIMS = tuple(d.name for d in DIMENSIONS)  # Layout's fields and its JSON keys, in this order
+MESH_ORDER = tuple(d.name for d in sorted(DIMENSIONS, key=lambda d: d.mesh))  # dense mesh, then ep
 
 
 @dataclass(frozen=True)
@@ -102,6 +127,14 @@ class Layout:
     def sizes(self) -> dict[str, int]:
         return asdict(self)
 
+    @classmethod
+    def from_sizes(cls, sizes: Mapping[str, int] | Any) -> Layout:
+        """The layout of the dimensions `sizes` names (a mapping, or an object with one attribute per
+        dimension: parsed flags, a request body); a dimension it lacks is its default. Other keys are ignored."""
+        if not isinstance(sizes, Mapping):
+            sizes = {d: getattr(sizes, d) for d in DIMS if hasattr(sizes, d)}
+        return cls(**{d.name: sizes.get(d.name, d.default) for d in DIMENSIONS})
+
     def to_json(self) -> str:
         """The compact JSON a rank file's metadata records (sizes other than 1, in `DIMS` order)."""
         return json.dumps({k: v for k, v in self.sizes().items() if v != 1 or k == "tp"}, separators=(",", ":"))
@@ -116,21 +149,25 @@ class Layout:
                 raise PlanError(f"{where}: not a JSON object of parallel sizes: {obj[:100]!r}") from None
         if not isinstance(obj, dict) or set(obj) - set(DIMS):
             raise PlanError(f"{where}: expected sizes among {', '.join(DIMS)}, got {obj!r:.200}")
-        return cls(**obj)
+        return cls.from_sizes(obj)
+
+    def _mesh_sizes(self) -> list[tuple[str, int]]:
+        """(name, size) in mesh order, those other than 1 (tp always)."""
+        return [(k, getattr(self, k)) for k in MESH_ORDER if getattr(self, k) != 1 or k == "tp"]
 
     def dir_name(self) -> str:
         """A directory name for this layout's rank files: `tp-4`, `pp-2-fsdp-2-tp-2-ep-4`."""
-        parts = [(k, v) for k, v in (("pp", self.pp), ("dp_replicate", self.dp_replicate), ("fsdp", self.fsdp),
-                                     ("tp", self.tp), ("ep", self.ep)) if v != 1 or k == "tp"]
-        return "-".join(f"{k}-{v}" for k, v in parts)
+        return "-".join(f"{k}-{v}" for k, v in self._mesh_sizes())
 
     def describe(self) -> str:
         """`tp=2 x fsdp=2`, the sizes other than 1 (tp always), in mesh order."""
-        parts = [f"{k}={v}" for k, v in (("pp", self.pp), ("dp_replicate", self.dp_replicate), ("fsdp", self.fsdp),
-                                         ("tp", self.tp)) if v != 1 or k == "tp"]
-        if self.ep > 1:
-            parts.append(f"ep={self.ep}")
-        return " x ".join(parts)
+        return " x ".join(f"{k}={v}" for k, v in self._mesh_sizes())
+
+
+_BEFORE_TP, _AFTER_TP = MESH_ORDER[:MESH_ORDER.index("tp")], MESH_ORDER[MESH_ORDER.index("tp") + 1:]
+# what `Layout.dir_name` can give: `tp-2`, `pp-2-fsdp-2-tp-2-ep-4`
+_OPTIONAL_AFTER = "".join(rf"(?:-{d}-\d+)?" for d in _AFTER_TP)
+DIR_NAME = re.compile(rf"^(?:(?:{'|'.join(_BEFORE_TP)})-\d+-)*tp-\d+{_OPTIONAL_AFTER}$")
 
 
 def chunk(n: int, parts: int, k: int) -> tuple[int, int]:

@@ -25,7 +25,7 @@ _new = object.__new__
 
 
 @dataclass(frozen=True)
-class _Layout:
+class TensorLayout:
     """What every tensor of one group gets on one rank; `segments` are those of tensor `base_name`
     (at `base_start` in `base_file`), the others' are the same shifted."""
 
@@ -84,7 +84,7 @@ class PlannedTensors(_Lazy[OutTensor]):
     group number (shared by every rank) and its end offset (a rank of 100,000 tensors is ~1 MB, not
     ~60 MB of objects). Compares equal to the tuple of its tensors."""
 
-    def __init__(self, planner: RankPlanner, layouts: list[_Layout], ends: array[int]) -> None:
+    def __init__(self, planner: RankPlanner, layouts: list[TensorLayout], ends: array[int]) -> None:
         self._planner, self._layouts, self._ends = planner, layouts, ends
         self._index: tuple[array[int], Pieces] | None = None
 

@@ -32,7 +32,7 @@ from reshard.gcpause import paused_gc
 from reshard.layout.mesh import MAX_WORLD, Layout
 from reshard.layout.placement import FORMAT, Placement
 from reshard.layout.roles import source_roles
-from reshard.plan.planned import PlannedTensors, _Layout, _Lazy
+from reshard.plan.planned import PlannedTensors, TensorLayout, _Lazy
 from reshard.plan.reads import bytes_read
 from reshard.plan.segments import segments_for
 from reshard.plan.types import OutTensor, Plan, RankPlan, source_files
@@ -97,7 +97,7 @@ class RankPlanner:
             quoted = {n: _json_str(n) + ":" for n in names}
             self._quoted = _first_bare(["," + quoted[n] for n in ordered])
             self._sorted_quoted = _first_bare(["," + _json_str(q)[1:-1] for q in quoted.values()])
-        self._layouts: dict[int, list[_Layout]] = {}
+        self._layouts: dict[int, list[TensorLayout]] = {}
         self._entries: tuple[Any, array[int], str] | None = None  # the last rank's header entries
 
     def group_counts(self) -> Counter[int]:
@@ -106,7 +106,7 @@ class RankPlanner:
             self._counts = Counter(self.gids)
         return self._counts
 
-    def layouts(self, rank: int) -> list[_Layout]:
+    def layouts(self, rank: int) -> list[TensorLayout]:
         """Each group's layout on `rank` (all a bad rule or shape can fail on), made once per rank."""
         hit = self._layouts.get(rank)
         if hit is None:
@@ -146,7 +146,7 @@ class RankPlanner:
         return RankPlan(rank, self.placement.layout.world, PlannedTensors(self, layouts, ends), header,  # type: ignore[arg-type]
                         self.files)
 
-    def _layout(self, name: str, gt: GlobalTensor, rank: int) -> _Layout:
+    def _layout(self, name: str, gt: GlobalTensor, rank: int) -> TensorLayout:
         rule = self.rules[name]
         sel = self.placement.select(name, gt.shape, rule, rank)
         shape = selection_shape(sel)
@@ -158,7 +158,7 @@ class RankPlanner:
         entry = json.dumps({"dtype": gt.dtype, "shape": list(shape)}, separators=_COMPACT)[:-1]
         info = gt.pieces[0].info
         replicated = self.placement.replicated(name, gt.shape, rule, rank, sel)
-        return _Layout(sel, shape, nbytes, read, replicated, segments, str(info.file), info.start,
+        return TensorLayout(sel, shape, nbytes, read, replicated, segments, str(info.file), info.start,
                        json.dumps(probe.describe(), separators=_COMPACT, sort_keys=True),
                        entry + ',"data_offsets":[')
 
@@ -253,7 +253,7 @@ class LayoutPlanner:
             hit = self._planners[key] = RankPlanner(held, self.files, self.rules, self.placement)
         return hit
 
-    def layouts(self, rank: int) -> list[_Layout]:
+    def layouts(self, rank: int) -> list[TensorLayout]:
         return self.planner(rank).layouts(rank)
 
     def plan(self, rank: int) -> RankPlan:

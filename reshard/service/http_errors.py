@@ -1,8 +1,9 @@
 """The one place where errors become HTTP answers: `{"error": <name>, "detail": <text>}`.
 
-Library errors (`reshard.errors.ReshardError`) carry their status in `http_status`; the few errors
-only the service raises are declared here the same way; the output side's errors (`OutputError`:
-no space 507, quota 507, read-only 503, permission 503, path 409, I/O 503) too, and an untyped
+Library errors (`reshard.errors.ReshardError`) know nothing of HTTP: `_STATUS` maps each class (and
+the few errors only the service raises, declared here) to its status, a subclass not in it taking its
+nearest listed base's; the output side's errors (`OutputError`: no space 507, quota 507, read-only 503,
+permission 503, path 409, I/O 503) too, and an untyped
 OSError of a full or read-only disk is typed here before it is answered. Request validation answers 422, unknown
 routes 404, wrong methods 405, all with the same JSON shape. Anything else is a bug: it is logged with
 its traceback and answered 500 without internals.
@@ -29,7 +30,29 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from reshard.errors import NoSpaceError, QuotaError, ReadOnlyError, ReshardError
+from reshard.errors import (
+    CheckpointError,
+    HeaderError,
+    IntegrityError,
+    ManifestError,
+    NoSpaceError,
+    NotFoundError,
+    OutputError,
+    OutputIOError,
+    OutputPathError,
+    OutputPermissionError,
+    PeerFailedError,
+    PlanError,
+    QuotaError,
+    ReadOnlyError,
+    RegistryError,
+    ReshardError,
+    SourceChangedError,
+    StateFullError,
+    StateUnavailableError,
+    StoreError,
+    StoreUnavailableError,
+)
 from reshard.io.outfs import output_error
 
 log = logging.getLogger("reshard.service")
@@ -39,37 +62,37 @@ _WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS})
 class BadRequest(ReshardError):
     """A malformed name, path or parameter."""
 
-    http_status = 400
-
 
 class Unauthorized(ReshardError):
     """Missing or wrong bearer token."""
-
-    http_status = 401
 
 
 class Conflict(ReshardError):
     """The request collides with the state of the server (e.g. a file being replaced)."""
 
-    http_status = 409
-
 
 class PayloadTooLarge(ReshardError):
     """An upload larger than `max_upload_bytes`."""
 
-    http_status = 413
-
 
 class RangeNotSatisfiable(ReshardError):
     """A `Range` that starts at or past the end of the shard."""
-
-    http_status = 416
 
     def __init__(self, message: str, *, size: int) -> None:
         super().__init__(message)
         self.size = size
 
 
+# library error class -> HTTP status; a class not listed answers its nearest listed base's (`status_for`)
+_STATUS: dict[type[BaseException], int] = {
+    ReshardError: 400, BadRequest: 400, Unauthorized: 401, Conflict: 409, PayloadTooLarge: 413,
+    RangeNotSatisfiable: 416, NotFoundError: 404, SourceChangedError: 409,
+    HeaderError: 422, CheckpointError: 422, ManifestError: 422, RegistryError: 422, PlanError: 422,
+    IntegrityError: 502, StoreError: 502, StoreUnavailableError: 503, PeerFailedError: 503,
+    OutputError: 507, NoSpaceError: 507, QuotaError: 507, ReadOnlyError: 503,
+    OutputPermissionError: 503, OutputPathError: 409, OutputIOError: 503,
+    StateUnavailableError: 503, StateFullError: 507,
+}
 _STATUS_NAMES = {400: "BadRequest", 401: "Unauthorized", 403: "Forbidden", 404: "NotFound",
                  405: "MethodNotAllowed", 408: "RequestTimeout", 409: "Conflict", 413: "PayloadTooLarge",
                  414: "URITooLong", 415: "UnsupportedMediaType", 416: "RangeNotSatisfiable", 422: "ValidationError",
@@ -164,7 +187,7 @@ def status_for(exc: BaseException) -> int:
     """The HTTP status of an exception raised while answering a request."""
     exc = typed(exc)
     if isinstance(exc, ReshardError):
-        return int(getattr(exc, "http_status", 400))
+        return next(_STATUS[c] for c in type(exc).__mro__ if c in _STATUS)  # ReshardError ends every such MRO
     if isinstance(exc, FileNotFoundError):
         return 404
     return 500

@@ -20,14 +20,14 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from reshard.errors import PlanError
-from reshard.fill.experts import Layout
+from reshard.fill.experts import ExpertLayout
 from reshard.format.selection import selection_shape
 from reshard.tp import copy_to_tp_region, reduce_from_tp_region
 
 Spec = dict[str, Any]
 
 
-def parallelize_experts(model: nn.Module, layout: Layout, specs: dict[str, Spec], group: ProcessGroup | None) -> None:
+def parallelize_experts(model: nn.Module, layout: ExpertLayout, specs: dict[str, Spec], group: ProcessGroup | None) -> None:
     """Give every fused experts parameter this rank's shape (on meta); hook the modules that are split."""
     local: dict[str, dict[int, tuple[int, ...]]] = {}
     split: set[str] = set()

@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 OPEN = 32  # blocks held open per object (plus the pinned ones)
 
 Submit = Callable[..., "Future[Any]"]
-Source = tuple[int, int] | Callable[[], "tuple[int, int] | None"]  # (fd, offset), or a wait for it
+BytesAt = tuple[int, int] | Callable[[], "tuple[int, int] | None"]  # (fd, offset), or a wait for it
 
 
 class CachedObject:
@@ -137,7 +137,7 @@ class CachedObject:
 
     # --- reads ------------------------------------------------------------------------------------
 
-    def ranges(self, offset: int, n: int, *, direct_min: int) -> Iterator[tuple[int, Source | None]]:
+    def ranges(self, offset: int, n: int, *, direct_min: int) -> Iterator[tuple[int, BytesAt | None]]:
         """Bytes [offset, offset + n) as consecutive parts (length, source) without waiting: where a part
         is at least `direct_min` bytes, `source` is (fd, offset) of its block file, pinned until
         `unpin(source)`, or, while the block is still on its way, a function that waits for it and
@@ -146,7 +146,7 @@ class CachedObject:
         while offset < end:
             k = offset // self.block
             m = min((k + 1) * self.block, end) - offset
-            src: Source | None = None
+            src: BytesAt | None = None
             if m >= direct_min:
                 src = self._take(k, offset, m, wait=False) or functools.partial(self._take, k, offset, m, wait=True)
             yield m, src

@@ -15,10 +15,15 @@ from typing import Any
 import torch
 
 from reshard.errors import PlanError
-from reshard.rules.quant.fp8_kinds import SUFFIX, base_kind, granularity
-from reshard.rules.quant.scheme import COMPANION_SUFFIXES, SCALE_SUFFIXES, Block
+from reshard.rules.quant.fp8_kinds import base_kind, granularity
+from reshard.rules.quant.scheme import Block, QuantScheme, scheme_of_kind, schemes
 
-FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+def _torch_dtypes(scheme: QuantScheme) -> frozenset[torch.dtype]:
+    return frozenset(getattr(torch, n) for n in scheme.torch_dtypes)
+
+
+PACKED = frozenset().union(*map(_torch_dtypes, schemes()))  # every scheme's stored dtypes (FP8: e4m3fn, e5m2)
 
 
 def _index(weight_select: list[list[int]], scale_select: list[list[int]], block: int | None) -> torch.Tensor:
@@ -67,26 +72,27 @@ class Dequantizer:
     def __init__(self, tensors: dict[str, dict[str, Any]], dtypes: dict[str, torch.dtype]) -> None:
         self.tensors = tensors
         self.weights: dict[str, str] = {}  # quantized weight -> its scale
+        self.companions: set[str] = set()
         for name, desc in tensors.items():
             stem = name[: -len(".weight")]
-            scale = next((stem + s for s in SCALE_SUFFIXES if stem + s in tensors), None)
-            if not name.endswith(".weight") or scale is None or dtypes.get(name) not in FP8:
+            scheme, scale = next(((q, stem + s) for q in schemes() for s in q.scale_suffixes if stem + s in tensors),
+                                 (None, None))
+            if not name.endswith(".weight") or scheme is None or dtypes.get(name) not in _torch_dtypes(scheme):
                 continue
-            if not desc.get("kind", "").endswith(SUFFIX):
+            if scheme.base_of(desc.get("kind", "")) is None:
                 raise PlanError(
-                    f"{name}: FP8 with {scale} beside it, but its kind {desc.get('kind')!r} records no scale "
-                    "block; write the shards from a checkpoint whose config.json has its quantization_config, "
-                    f"or with a rules file using kind {desc.get('kind')}_fp8 and `block`"
+                    f"{name}: {scheme.name.upper()} with {scale} beside it, but its kind {desc.get('kind')!r} records "
+                    "no scale block; write the shards from a checkpoint whose config.json has its quantization_config, "
+                    f"or with a rules file using kind {desc.get('kind')}{scheme.suffix} and `block`"
                 )
             self.weights[name] = scale
-        self.companions = {stem + s for w in self.weights for stem in [w[: -len(".weight")]]
-                           for s in COMPANION_SUFFIXES if stem + s in tensors}
+            self.companions.update(stem + s for s in scheme.companions if stem + s in tensors)
         self._scale_of = {s: w for w, s in self.weights.items()}  # scale -> its weight
         self._held: dict[str, torch.Tensor] = {}
 
     def check_target(self, name: str, target: torch.Tensor, *, keep: bool = False) -> None:
         """A quantized weight is dequantized into a bf16/fp32 parameter; keeping it FP8 is an error."""
-        if name in self.weights and (keep or target.dtype in FP8 or not target.dtype.is_floating_point):
+        if name in self.weights and (keep or target.dtype in PACKED or not target.dtype.is_floating_point):
             raise PlanError(
                 f"{name}: --dtype keep: the shard holds it in FP8 with a block scale, and the trainer's layers "
                 "have no FP8 matmul (F.linear does not take float8 weights) to train it as stored; pass "
@@ -123,7 +129,7 @@ class Dequantizer:
         for name, desc in self.tensors.items():
             if name in self.companions:
                 continue
-            if name in self.weights or desc.get("kind", "").endswith(SUFFIX):
+            if name in self.weights or scheme_of_kind(desc.get("kind", "")) is not None:
                 options = {k: v for k, v in (desc.get("options") or {}).items() if k != "block"}
                 desc = {**desc, "kind": base_kind(desc["kind"])}
                 desc.pop("options", None)

@@ -11,11 +11,14 @@ precision differs", plus two rules for the tensors that come with a weight:
   their blocks with them; a replicated weight keeps its full scale; a per-tensor scale is replicated).
 - `X.input_scale` is replicated; anything else (a bias) is split as the base kind splits it.
 
-On the trainer side each quantized kind uses its base kind's parallel layer.
+On the trainer side each quantized kind uses its base kind's parallel layer. The kinds, their names
+and the companions' suffixes are those of the scheme `reshard.rules.quant.scheme.FP8` names: this module
+registers a loader and a layer for each of its `bases` (`register_scheme_kinds`).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -31,12 +34,11 @@ from reshard.rules.kinds import (
     register_layer,
     register_loader,
 )
-from reshard.rules.quant.scheme import REPLICATED_SUFFIXES, SCALE_SUFFIXES, Block, check_block
+from reshard.rules.quant.scheme import FP8, Block, QuantScheme, check_block, scheme_of_kind
 
 if TYPE_CHECKING:
     from reshard.rules.manifest import Rule
 
-SUFFIX = "_fp8"
 MAX_LISTED_TP = 64
 
 
@@ -144,59 +146,36 @@ class _AsKind:
         self.kind, self.pattern, self.options = kind, rule.pattern, rule.options
 
 
-def quantized_loader(rule: Rule, suffix: str, *, base: str) -> ShardLoader:
-    """The loader of kind `{base}_fp8` for a tensor ending in `suffix` (see the module docstring)."""
+def quantized_loader(rule: Rule, suffix: str, *, base: str, scheme: QuantScheme = FP8) -> ShardLoader:
+    """The loader of kind `{base}_fp8` (`scheme.kind(base)`) for a tensor ending in `suffix` (see the module docstring)."""
     try:
-        block = check_block(rule.options.get("block"), f"rule {rule.pattern!r} ({base}{SUFFIX})")
+        block = check_block(rule.options.get("block"), f"rule {rule.pattern!r} ({scheme.kind(base)})")
     except ManifestError as e:
         raise PlanError(str(e)) from None
     as_base: Any = _AsKind(base, rule)
     if suffix == ".weight":
         return QuantizedWeightLoader(loader_for(as_base, ".weight"), block)
-    if suffix in SCALE_SUFFIXES:
+    if suffix in scheme.scale_suffixes:
         return BlockScaleLoader(loader_for(as_base, ".weight"), block)
-    if suffix in REPLICATED_SUFFIXES:
+    if suffix in scheme.replicated_suffixes:
         return ReplicateLoader()
     return loader_for(as_base, suffix)
 
 
-@register_loader("column_fp8")
-def _column_fp8(rule: Rule, suffix: str) -> ShardLoader:
-    return quantized_loader(rule, suffix, base="column")
-
-
-@register_loader("row_fp8")
-def _row_fp8(rule: Rule, suffix: str) -> ShardLoader:
-    return quantized_loader(rule, suffix, base="row")
-
-
-@register_loader("packed_column_fp8")
-def _packed_column_fp8(rule: Rule, suffix: str) -> ShardLoader:
-    return quantized_loader(rule, suffix, base="packed_column")
-
-
-@register_loader("vocab_embed_fp8")
-def _vocab_embed_fp8(rule: Rule, suffix: str) -> ShardLoader:
-    return quantized_loader(rule, suffix, base="vocab_embed")
-
-
-@register_loader("replicate_fp8")
-def _replicate_fp8(rule: Rule, suffix: str) -> ShardLoader:
-    return quantized_loader(rule, suffix, base="replicate")
-
-
 def base_kind(kind: str) -> str:
     """`column` for `column_fp8`; a kind that is not quantized is its own base."""
-    return kind[: -len(SUFFIX)] if kind.endswith(SUFFIX) else kind
+    scheme = scheme_of_kind(kind)
+    base = scheme.base_of(kind) if scheme is not None else None
+    return kind if base is None else base
 
 
-def quantized_kind(kind: str) -> str:
-    """The quantized variant of `kind`; an error naming the variants when it has none."""
-    if kind.endswith(SUFFIX):
+def quantized_kind(kind: str, scheme: QuantScheme = FP8) -> str:
+    """The quantized variant of `kind` in `scheme`; an error naming the variants when it has none."""
+    if scheme.base_of(kind) is not None:
         return kind
-    variant = kind + SUFFIX
+    variant = scheme.kind(kind)
     if variant not in known_kinds():
-        have = [k for k in known_kinds() if k.endswith(SUFFIX)]
+        have = [k for k in known_kinds() if scheme.base_of(k) is not None]
         raise ManifestError(
             f"kind {kind!r} has no quantized variant (have {', '.join(have)}); add "
             f"`@register_loader({variant!r})` returning `quantized_loader(rule, suffix, base={kind!r})`"
@@ -212,5 +191,12 @@ def _base_layer(base: str) -> Any:
     return factory
 
 
-for _kind in ("column", "row", "packed_column", "vocab_embed", "replicate"):
-    register_layer(_kind + SUFFIX)(_base_layer(_kind))
+def register_scheme_kinds(scheme: QuantScheme) -> None:
+    """For each of `scheme.bases`, its quantized kind: a loader (`quantized_loader`: same as one
+    `@register_loader("column_fp8")` function per kind) and a layer (the base kind's)."""
+    for base in scheme.bases:
+        register_loader(scheme.kind(base))(functools.partial(quantized_loader, base=base, scheme=scheme))
+        register_layer(scheme.kind(base))(_base_layer(base))
+
+
+register_scheme_kinds(FP8)

@@ -20,7 +20,7 @@ from typing import Any
 
 from reshard.rules.manifest import Rule
 from reshard.rules.quant.fp8_kinds import quantized_kind
-from reshard.rules.quant.scheme import SCALE_SUFFIXES, Scheme, scheme_from_config, weight_of
+from reshard.rules.quant.scheme import FP8, QuantScheme, Scheme, scheme_from_config, scheme_of_kind
 
 
 @dataclass(frozen=True)
@@ -29,23 +29,29 @@ class FollowRule(Rule):
 
     weights: frozenset[str] = field(default_factory=frozenset)
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        # the companions' weight as its kind's scheme names them, looked up once (matches runs per tensor name)
+        object.__setattr__(self, "_weight_of", (scheme_of_kind(self.kind) or FP8).weight_of)
+
     def matches(self, name: str) -> bool:
-        weight = name if name in self.weights else weight_of(name)
+        weight = name if name in self.weights else self._weight_of(name)  # type: ignore[attr-defined]
         return weight is not None and weight in self.weights and super().matches(weight)
 
 
-def quantized_weights(names: Iterable[str]) -> frozenset[str]:
-    """The `X.weight` names that have a scale tensor beside them."""
+def quantized_weights(names: Iterable[str], packed: QuantScheme = FP8) -> frozenset[str]:
+    """The `X.weight` names that have a scale tensor of `packed` beside them."""
     names = set(names)
     return frozenset(
-        n[: -len(suffix)] + ".weight" for n in names for suffix in SCALE_SUFFIXES
+        n[: -len(suffix)] + ".weight" for n in names for suffix in packed.scale_suffixes
         if n.endswith(suffix) and n[: -len(suffix)] + ".weight" in names
     )
 
 
 def twin(rule: Rule, scheme: Scheme, weights: frozenset[str]) -> FollowRule:
-    """The quantized twin of `rule`: its kind's `_fp8` variant, its options plus the scheme's `block`."""
-    return FollowRule(rule.pattern, quantized_kind(rule.kind), {**rule.options, **scheme.options()},
+    """The quantized twin of `rule`: its kind's variant in the scheme's packed format (`column_fp8`), its
+    options plus the scheme's `block`."""
+    return FollowRule(rule.pattern, quantized_kind(rule.kind, scheme.packed), {**rule.options, **scheme.options()},
                       rule.regex, weights)
 
 
@@ -53,7 +59,7 @@ def quantized_rules(rules: list[Rule], config: dict[str, Any] | None, names: Ite
     """`rules` for the checkpoint `config` describes: unchanged unless it is quantized (see the module)."""
     scheme = scheme_from_config(config)
     names = list(names)
-    weights = quantized_weights(names) if scheme else frozenset()
+    weights = quantized_weights(names, scheme.packed) if scheme else frozenset()
     if not weights:
         return rules
     first: dict[int, set[str]] = {}  # rule index -> the quantized weights it is the first match of
@@ -61,11 +67,12 @@ def quantized_rules(rules: list[Rule], config: dict[str, Any] | None, names: Ite
     for w in weights:
         i = next((i for i, rule in enumerate(rules) if rule.matches(w)), None)
         (rest if i is None else first.setdefault(i, set())).add(w)
-    plain = [n for n in names if n not in weights and weight_of(n) not in weights]
+    assert scheme is not None  # (weights is empty without one)
+    plain = [n for n in names if n not in weights and scheme.packed.weight_of(n) not in weights]
     out: list[Rule] = []
     for i, rule in enumerate(rules):
         mine = frozenset(first.get(i, ()))
-        explicit = rule.kind.endswith("_fp8")
+        explicit = scheme_of_kind(rule.kind) is not None
         if mine and not explicit:
             out.append(twin(rule, scheme, mine))
         if explicit or not mine or any(rule.matches(n) for n in plain):  # the rule still serves others (biases)

@@ -2,7 +2,8 @@
 
 A scheme says how coarse a weight's scale is along each dim (`block`: an int is a block of that many
 indices, None one scale for the whole dim) and which companion tensors a quantized weight `X.weight`
-has. Each `quant_method` is one decorated function `(quantization_config) -> Scheme`:
+has (its `QuantScheme`, the packed format: FP8 for every method here). Each `quant_method` is one
+decorated function `(quantization_config) -> Scheme`:
 
     @register_quant_method("fp8")                 # DeepSeek-V3, Qwen3-*-FP8, Kimi-K2
     def _fp8(qc): return Scheme(block=tuple(qc["weight_block_size"]), ...)
@@ -22,30 +23,77 @@ from reshard.registry import registrar
 
 Block = tuple[int | None, ...]
 
-# companion tensors of a quantized `X.weight`, by the suffix replacing `.weight`
-SCALE_SUFFIXES = (".weight_scale_inv", ".weight_scale")  # split with the weight, in block units
-REPLICATED_SUFFIXES = (".input_scale",)  # one activation scale: every rank gets it
-COMPANION_SUFFIXES = SCALE_SUFFIXES + REPLICATED_SUFFIXES
+
+@dataclass(frozen=True)
+class QuantScheme:
+    """A packed weight format as a value: the kinds it adds (each base kind's quantized twin, named
+    `base + suffix`), the companion tensors a quantized weight `X.weight` has (by the suffix replacing
+    `.weight`) and the dtypes its weights are stored in. Code asks the scheme, never a literal suffix;
+    a second packed format is one more `register_scheme(QuantScheme(...))`."""
+
+    name: str
+    suffix: str  # of its kinds: `column` -> `column_fp8`
+    bases: tuple[str, ...]  # the base kinds its own module registers twins of
+    scale_suffixes: tuple[str, ...]  # split with the weight, in block units
+    replicated_suffixes: tuple[str, ...]  # one activation scale: every rank gets it
+    torch_dtypes: tuple[str, ...]  # names in `torch` of the dtypes its weights are stored in
+
+    @property
+    def companions(self) -> tuple[str, ...]:
+        return self.scale_suffixes + self.replicated_suffixes
+
+    def kind(self, base: str) -> str:
+        """The quantized twin of kind `base` (its name; whether it is registered is the kinds' business)."""
+        return base + self.suffix
+
+    def base_of(self, kind: str) -> str | None:
+        """`column` for `column_fp8`; None for a kind that is not one of this scheme's."""
+        return kind[: -len(self.suffix)] if kind.endswith(self.suffix) else None
+
+    def weight_of(self, name: str) -> str | None:
+        """`X.weight` for a companion `X.weight_scale_inv`/`X.weight_scale`/`X.input_scale`, else None."""
+        for suffix in self.companions:
+            if name.endswith(suffix):
+                return name[: -len(suffix)] + ".weight"
+        return None
+
+
+_SCHEMES: dict[str, QuantScheme] = {}
+
+
+def register_scheme(scheme: QuantScheme) -> QuantScheme:
+    """Add a packed format; registering its name twice is an error."""
+    registrar(_SCHEMES, (scheme.name,), lambda n: f"quantization scheme {n!r}")(scheme)
+    return scheme
+
+
+def schemes() -> tuple[QuantScheme, ...]:
+    return tuple(_SCHEMES.values())
+
+
+def scheme_of_kind(kind: str) -> QuantScheme | None:
+    """The scheme whose kind `kind` is (`column_fp8`: FP8); None for a kind no scheme quantizes."""
+    return next((s for s in _SCHEMES.values() if s.base_of(kind) is not None), None)
+
+
+FP8 = register_scheme(QuantScheme(
+    "fp8", "_fp8", bases=("column", "row", "packed_column", "vocab_embed", "replicate"),
+    scale_suffixes=(".weight_scale_inv", ".weight_scale"), replicated_suffixes=(".input_scale",),
+    torch_dtypes=("float8_e4m3fn", "float8_e5m2")))
 
 
 @dataclass(frozen=True)
 class Scheme:
-    """How one checkpoint's weights are quantized: the scale granularity of its trailing dims."""
+    """How one checkpoint's weights are quantized: the scale granularity of its trailing dims, and the
+    packed format (`QuantScheme`) they are stored in."""
 
     method: str
     block: Block
+    packed: QuantScheme = FP8
 
     def options(self) -> dict[str, Any]:
         """The rule options a quantized kind records (and a rules file may write by hand)."""
         return {"block": list(self.block)}
-
-
-def weight_of(name: str) -> str | None:
-    """`X.weight` for a companion `X.weight_scale_inv`/`X.weight_scale`/`X.input_scale`, else None."""
-    for suffix in COMPANION_SUFFIXES:
-        if name.endswith(suffix):
-            return name[: -len(suffix)] + ".weight"
-    return None
 
 
 def check_block(block: Any, where: str) -> Block:

@@ -4,14 +4,15 @@
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable
 from typing import Annotated, Any, Literal, TypeVar
 
 import anyio.to_thread
 from fastapi import Depends, Path, Query, Request
 
-from reshard.layout.mesh import MAX_WORLD, Layout
-from reshard.plan.types import MAX_TP
+from reshard.layout.mesh import DIMENSIONS, MAX_WORLD, Layout
+from reshard.rules.engines import known_engines
 from reshard.service.api.schemas import NAME_PATTERN
 from reshard.service.catalog import Catalog
 from reshard.service.jobs.digests import DigestCache
@@ -66,22 +67,25 @@ StreamDep = Annotated[StreamContext, Depends(get_stream_context)]
 _NAME_DOC = {"pattern": NAME_PATTERN, "maxLength": 128}
 Name = Annotated[str, Path(description="checkpoint directory name under the root (no '..', no separators)",
                            json_schema_extra=_NAME_DOC)]
-TP = Annotated[int, Query(ge=1, le=MAX_TP, description="tensor-parallel degree (1 unless given)")]
-Size = Annotated[int, Query(ge=1, le=MAX_WORLD)]
 
 
-def layout_query(tp: TP = 1, pp: Annotated[Size, Query(description="pipeline stages")] = 1,
-                 fsdp: Annotated[Size, Query(description="FSDP shards of every parameter")] = 1,
-                 ep: Annotated[Size, Query(description="expert-parallel degree")] = 1,
-                 dp_replicate: Annotated[Size, Query(description="data-parallel replicas (HSDP)")] = 1) -> Layout:
+def layout_query(**sizes: int) -> Layout:
     """The layout a request names: `?tp=`, `pp`, `fsdp`, `ep`, `dp_replicate` (each 1 unless given); an
     impossible one (ep not a multiple of tp, ...) is a 422 naming the rule."""
-    return Layout(tp=tp, pp=pp, fsdp=fsdp, ep=ep, dp_replicate=dp_replicate)
+    return Layout.from_sizes(sizes)
+
+
+# one query parameter per parallel dimension (`reshard.layout.mesh.DIMENSIONS`), as FastAPI reads a signature
+layout_query.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+    [inspect.Parameter(d.name, inspect.Parameter.KEYWORD_ONLY, default=d.default,
+                       annotation=Annotated[int, Query(ge=1, le=MAX_WORLD, description=d.help)]) for d in DIMENSIONS],
+    return_annotation=Layout)
 
 
 LayoutDep = Annotated[Layout, Depends(layout_query)]
 Rules = Annotated[str | None, Query(description="label of a stored manifest to use instead",
                                     json_schema_extra=_NAME_DOC)]
-Engine = Annotated[Literal["vllm"] | None, Query(
+# the engines of `reshard.rules.engines`' registry (as the CLI's --engine choices); another name is a 422
+Engine = Annotated[Literal[tuple(known_engines())] | None, Query(  # type: ignore[valid-type]
     description="cut each rank the way an inference engine holds it (`vllm`: its vocabulary split, docs/vllm.md)")]
 Label = Annotated[str, Query(description="label to store the manifest under", json_schema_extra=_NAME_DOC)]

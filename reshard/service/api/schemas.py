@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, create_model
 
+from reshard.layout.mesh import DIMENSIONS
 from reshard.plan.types import MAX_TP
 
 # checkpoint names and manifest labels as documented in the OpenAPI description (and enforced for JobIn.rules)
@@ -146,14 +147,13 @@ class DigestOut(BaseModel):
     cached: bool = Field(description="false when this request computed it")
 
 
-class JobIn(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+# one field per parallel dimension (`reshard.layout.mesh.DIMENSIONS`): tp, pp, fsdp, ep, dp_replicate
+_LayoutFields: Any = create_model(
+    "_LayoutFields", __config__=ConfigDict(extra="forbid"),
+    **{d.name: (int, Field(d.default, ge=1, le=MAX_TP, strict=True, description=d.help)) for d in DIMENSIONS})
 
-    tp: int = Field(1, ge=1, le=MAX_TP, strict=True, description="tensor-parallel degree")
-    pp: int = Field(1, ge=1, le=MAX_TP, strict=True, description="pipeline stages")
-    fsdp: int = Field(1, ge=1, le=MAX_TP, strict=True, description="FSDP shards of every parameter")
-    ep: int = Field(1, ge=1, le=MAX_TP, strict=True, description="expert-parallel degree")
-    dp_replicate: int = Field(1, ge=1, le=MAX_TP, strict=True, description="data-parallel replicas (HSDP)")
+
+class JobIn(_LayoutFields):
     ranks: list[Annotated[int, Field(ge=0, lt=MAX_TP, strict=True)]] | None = Field(
         None, min_length=1, max_length=MAX_TP, description="default: every rank (global ranks of the layout)")
     rules: str | None = Field(None, description="label of a stored manifest; default: the checkpoint's manifest",

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from reshard.errors import StateFullError, StateUnavailableError
+from reshard.service.http_errors import status_for
 
 log = logging.getLogger("reshard.service")
 T = TypeVar("T")
@@ -172,7 +173,7 @@ class StateDB:
                 self._logged[name] = now
                 log.warning("state database %s: %s (%s); job routes answer %d until it works again, shard "
                             "downloads go on", self.path, cause, getattr(e, "sqlite_errorname", type(e).__name__),
-                            err.http_status)
+                            status_for(err))
         return err
 
     def _do(self, fn: Callable[[sqlite3.Connection], T], *, write: bool) -> T:

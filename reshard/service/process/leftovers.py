@@ -18,12 +18,12 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 
 from reshard.io.outfs import TMP_PREFIX
+from reshard.layout.mesh import DIR_NAME
 from reshard.service.process.lifecycle import pid_gone, wait_exited
 
 log = logging.getLogger("reshard.service")
 EXIT_WAIT = 30.0  # seconds a dead worker's threads may take to end before its leftovers are swept
 _TMP = re.compile(rf"^{re.escape(TMP_PREFIX)}(\d+)-")
-_TP_DIR = re.compile(r"^(?:(?:pp|dp_replicate|fsdp)-\d+-)*tp-\d+(?:-ep-\d+)?$")  # Layout.dir_name
 DirLock = Callable[..., AbstractContextManager[bool]]  # (directory, wait=False) -> whether it is free
 
 
@@ -85,7 +85,7 @@ def sweep_out(out: Path, dir_lock: DirLock) -> None:
     for name in names:
         with contextlib.suppress(OSError):
             for tp_dir in name.iterdir():
-                if _TP_DIR.match(tp_dir.name) and tp_dir.is_dir() and not tp_dir.is_symlink():
+                if DIR_NAME.match(tp_dir.name) and tp_dir.is_dir() and not tp_dir.is_symlink():
                     n = remove_dead_temps(tp_dir)
                     removed += n
                     if n:

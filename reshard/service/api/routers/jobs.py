@@ -26,8 +26,7 @@ router = APIRouter(tags=["jobs"])
     responses=error_responses(400, 401, 404, 422, 503, 507),
 )
 def submit_job(name: Name, body: JobIn, jobs: JobsDep, response: Response) -> JobOut:
-    layout = Layout(tp=body.tp, pp=body.pp, fsdp=body.fsdp, ep=body.ep, dp_replicate=body.dp_replicate)
-    job = jobs.submit(name, layout, ranks=body.ranks, rules=body.rules)
+    job = jobs.submit(name, Layout.from_sizes(body), ranks=body.ranks, rules=body.rules)
     response.headers["Location"] = f"/v1/jobs/{job.id}"
     return JobOut(**job.to_json())
 
