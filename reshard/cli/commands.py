@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from reshard.errors import PlanError
+from reshard.format.rank_file import rank_file_name
 from reshard.io.progress import add_progress_flags, human
 from reshard.io.sinks.store_writer import write_shards_to_store
 from reshard.io.sinks.writer import write_shards as write_to_dir
@@ -18,7 +19,7 @@ from reshard.io.source.stores import is_url
 from reshard.io.verified import record_written
 from reshard.layout.mesh import Layout
 from reshard.plan.planner import make_plan
-from reshard.plan.types import Plan, plan_to_json, rank_file_name
+from reshard.plan.types import Plan, plan_to_json
 from reshard.rules.engines import known_engines
 
 

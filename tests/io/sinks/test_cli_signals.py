@@ -22,9 +22,9 @@ import boto3
 import pytest
 
 from bench.stores import StoreServer, http_server, s3_server
+from reshard.format.rank_file import rank_file_name
 from reshard.io.outfs import TMP_PREFIX
 from reshard.io.sinks.writer import PARTIAL_NAME
-from reshard.plan.types import rank_file_name
 from tests.support.fs import Mount, assert_clean, reshard
 from tests.support.hard import ThrottledProxy, wait_for
 from tests.support.live import REPO, live_server, make_ckpt
