@@ -9,13 +9,14 @@ from pathlib import Path
 from typing import Any
 
 from reshard.errors import PlanError
+from reshard.format.rank_file import rank_file_name
 from reshard.io.progress import add_progress_flags, human
 from reshard.io.sinks.write import write_shards
 from reshard.io.source.opener import open_source
 from reshard.io.source.stores import is_url
 from reshard.layout.mesh import DIMENSIONS, Layout
 from reshard.plan.planner import make_plan
-from reshard.plan.types import Plan, plan_to_json, rank_file_name
+from reshard.plan.types import Plan, plan_to_json
 from reshard.rules.engines import known_engines
 
 

@@ -30,6 +30,7 @@ import torch
 from reshard.errors import CheckpointError, HeaderError, IntegrityError, PlanError, ReshardError
 from reshard.fill.mapped_params import RankMap, bindable, map_rank_file
 from reshard.format.checkpoint import MAX_HEADER_BYTES, parse_header
+from reshard.format.rank_file import decode_metadata
 from reshard.format.torch_side import TORCH_DTYPES
 from reshard.io import verified
 from reshard.io.client.body import FileBody, RankBytes
@@ -47,11 +48,12 @@ class RankHeader:
         self.total = len(raw) + _data_end(raw)  # the stream's length, as the header says where the data ends
         self.entries, self.metadata = parse_header(raw, path=source, file_size=self.total)
         try:
-            self.tp, self.rank = int(self.metadata["tp"]), int(self.metadata["rank"])
-            self.tensors: dict[str, dict[str, Any]] = json.loads(self.metadata["tensors"])
-            self.layout = describe_layout(self.metadata, source)
-        except (KeyError, ValueError, PlanError):
-            raise HeaderError(f"{source}: not a reshard rank file (no tp/rank/tensors metadata)") from None
+            meta = decode_metadata(self.metadata, source)
+            self.layout = describe_layout(meta, source)
+        except (CheckpointError, PlanError) as e:
+            raise HeaderError(str(e)) from None
+        self.tp, self.rank = meta.tp, meta.rank
+        self.tensors: dict[str, dict[str, Any]] = meta.tensors
 
     def check(self, rank: int, layout: Layout, *, fix: str) -> None:
         """`CheckpointError` unless this is the shard of `rank` of `layout`."""

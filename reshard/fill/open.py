@@ -14,13 +14,12 @@ from typing import Any
 
 from reshard.errors import CheckpointError
 from reshard.format.checkpoint import CONFIG_NAME, MANIFEST_NAME
+from reshard.format.rank_file import parse_rank_file_name, rank_file_name
 from reshard.io.client.body import ShardBody, file_body, get_json
 from reshard.io.client.shard_prefetch import take as take_prefetched
 from reshard.io.client.wire import checkpoint_url
-from reshard.io.source.rank_dir import RANK_FILE
 from reshard.io.source.stores import is_url
 from reshard.layout.mesh import Layout
-from reshard.plan.types import rank_file_name
 
 
 def open_rank_stream(
@@ -50,7 +49,7 @@ def open_rank_stream(
     if not path.is_file():
         path = root / rank_file_name(rank, layout.world)
     if not path.is_file():
-        have = sorted({int(m.group(2)) for p in root.glob("rank-*") if (m := RANK_FILE.fullmatch(p.name))})
+        have = sorted({named[1] for p in (root.iterdir() if root.is_dir() else ()) if (named := parse_rank_file_name(p.name))})
         flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in layout.sizes().items() if v != 1 or k == "tp")
         raise CheckpointError(
             f"{root}: no {path.name} for {layout.describe()} (rank files here are of worlds of "

@@ -34,7 +34,7 @@ SINGLE_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
 MANIFEST_NAME = "reshard.json"  # beside rank files: what wrote them, and the sha256 of each
 __all__ = ["CONFIG_NAME", "DTYPE_SIZES", "INDEX_NAME", "MANIFEST_NAME", "MAX_HEADER_BYTES", "SINGLE_NAME", "Checkpoint", "Directory",
-           "FileInfo", "GlobalTensor", "LocalDirectory", "Piece", "Source", "TensorInfo", "WholeTensors",
+           "FileInfo", "GlobalTensor", "LocalDirectory", "Piece", "Source", "TensorInfo", "WholeTensors", "whole_infos",
            "encode_header", "files_identity", "header_bytes_wanted", "header_from", "parse_header", "read_header",
            "read_json"]
 
@@ -289,6 +289,12 @@ class WholeTensors(Mapping[str, GlobalTensor]):
 
     def __contains__(self, name: object) -> bool:
         return name in self.infos
+
+
+def whole_infos(tensors: Mapping[str, GlobalTensor]) -> dict[str, TensorInfo] | None:
+    """The `TensorInfo`s behind `tensors` when it is a `WholeTensors` (every tensor one whole piece), for
+    a caller that can skip making each `GlobalTensor`; None for any other mapping."""
+    return tensors.infos if isinstance(tensors, WholeTensors) else None
 
 
 def read_json(d: Directory, name: str) -> Any:

@@ -19,21 +19,21 @@ says exactly which part it holds, whatever the layout.
 from __future__ import annotations
 
 import copy
-import json
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
 from reshard.errors import PlanError
-from reshard.format.checkpoint import GlobalTensor, WholeTensors
+from reshard.format.checkpoint import GlobalTensor, WholeTensors, whole_infos
+from reshard.format.rank_file import RankMeta, RankPlace
 from reshard.format.selection import Interval, Selection, full_selection
 from reshard.layout.mesh import Coords, Layout, chunk
 from reshard.layout.roles import Role, Roles
 from reshard.rules.kinds import tensor_selection
 from reshard.rules.manifest import Rule
 
-FORMAT = "reshard.rank/1"
+COORDS = ("pp", "dp_replicate", "fsdp", "tp", "efsdp", "ep")  # the order a rank file records its coordinates in
 
 
 def take(intervals: tuple[Interval, ...], lo: int, hi: int) -> tuple[Interval, ...]:
@@ -84,8 +84,8 @@ class Placement:
             lo, hi = self._experts(n, ep, c)
             keep &= ~these | ((lo <= roles.expert) & (roles.expert < hi))
         names = list(map(roles.names.__getitem__, np.flatnonzero(keep).tolist()))
-        infos = getattr(tensors, "infos", None)
-        if infos is not None:
+        infos = whole_infos(tensors)
+        if infos is not None:  # the same mapping as below, without making every GlobalTensor
             return WholeTensors({n: infos[n] for n in names})
         return {n: tensors[n] for n in names}
 
@@ -156,16 +156,15 @@ class Placement:
 
     # --- what a rank file says about itself ------------------------------------------------------
 
-    def metadata(self, rank: int) -> dict[str, str]:
-        """A rank file's `__metadata__` before its tensors' descriptions ("tensors" comes last)."""
+    def place(self, rank: int) -> RankPlace:
+        """Where rank `rank`'s file sits, as the file records it (`reshard.format.rank_file`): tp and the
+        rank, and beyond TP the layout's sizes other than 1 (tp always, in `DIMS` order) and its coordinates."""
         lay = self.layout
-        meta = {"format": FORMAT, "tp": str(lay.tp), "rank": str(rank)}
-        if not lay.tp_only:
-            c = lay.coords(rank)
-            meta["layout"] = lay.to_json()
-            meta["coords"] = json.dumps({k: getattr(c, k) for k in ("pp", "dp_replicate", "fsdp", "tp", "efsdp", "ep")},
-                                        separators=(",", ":"))
-        return meta
+        if lay.tp_only:
+            return RankPlace(lay.tp, rank)
+        c = lay.coords(rank)
+        return RankPlace(lay.tp, rank, {k: v for k, v in lay.sizes().items() if v != 1 or k == "tp"},
+                         {k: getattr(c, k) for k in COORDS})
 
     def check(self) -> None:
         """Errors a layout meets only with this checkpoint: more stages than layers, experts ep cannot split."""
@@ -199,11 +198,8 @@ class Placement:
                 raise PlanError(f"ep={lay.ep} does not divide the {bad[0]} experts of a layer; {choice}")
 
 
-def describe_layout(meta: dict[str, Any], where: str) -> Layout:
-    """The layout a rank file's metadata records (TP-only files record only tp)."""
-    if "layout" in meta:
-        return Layout.from_obj(meta["layout"], where=f"{where}: metadata `layout`")
-    try:
-        return Layout(tp=int(meta["tp"]))
-    except (KeyError, ValueError, TypeError):
-        raise PlanError(f"{where}: metadata has no tp") from None
+def describe_layout(meta: RankMeta, where: str) -> Layout:
+    """The layout a rank file's decoded metadata records (TP-only files record only tp)."""
+    if meta.layout is not None:
+        return Layout.from_obj(meta.layout, where=f"{where}: metadata `layout`")
+    return Layout(tp=meta.tp)

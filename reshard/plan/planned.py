@@ -7,25 +7,41 @@ What is held per tensor is its group number (shared by every rank) and its end o
 from __future__ import annotations
 
 from array import array
-from collections.abc import Callable, Iterator, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from itertools import accumulate
 from operator import sub
-from typing import TYPE_CHECKING, TypeVar, overload
+from typing import Any, TypeVar, overload
 
 from reshard.format.selection import Selection
 from reshard.plan.reads import Extent, Interleave, Segment
 from reshard.plan.types import OutTensor
+from reshard.rules.manifest import Rule
 
-if TYPE_CHECKING:
-    from reshard.plan.planner import RankPlanner
-
-
-_new = object.__new__
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
-class TensorLayout:
+class TensorGroups:
+    """What every rank a `RankPlanner` plans shares, per tensor in file order: `order` (name, and what
+    has its dtype and shape), `where` (source file as a string, start) and `gids` (its group number);
+    `rules` each tensor's rule."""
+
+    order: list[tuple[str, Any]]
+    where: list[tuple[str, int]]
+    gids: list[int]
+    rules: Mapping[str, Rule]
+
+    @cached_property
+    def counts(self) -> Counter[int]:
+        """How many tensors each group has (counted when first asked)."""
+        return Counter(self.gids)
+
+
+@dataclass(frozen=True)
+class GroupLayout:
     """What every tensor of one group gets on one rank; `segments` are those of tensor `base_name`
     (at `base_start` in `base_file`), the others' are the same shifted."""
 
@@ -46,15 +62,23 @@ def _shift(ext: Extent, file: str, delta: int) -> Extent:
         return Interleave(tuple(_shift(p, file, delta) for p in ext.parts))  # type: ignore[misc]
     if ext.file is None:
         return ext  # zero padding: immutable, shared
-    seg = _new(Segment)  # a frozen dataclass built without its per-field __setattr__ (same object)
-    seg.__dict__.update(file=file, offset=ext.offset + delta, run=ext.run, count=ext.count, stride=ext.stride)
-    return seg
+    return _frozen(Segment, {"file": file, "offset": ext.offset + delta, "run": ext.run, "count": ext.count,
+                             "stride": ext.stride})
 
 
-T = TypeVar("T")
+_new = object.__new__
 
 
-class _Lazy(Sequence[T]):
+def _frozen(cls: type[T], fields: dict[str, Any]) -> T:
+    """`cls(**fields)` for a frozen dataclass given every field (the same object, equal and hashed
+    alike), without the per-field `object.__setattr__` its `__init__` pays: one is made for every
+    tensor and segment a stream reads. (A dict, not keywords: a call with keywords costs more.)"""
+    obj = _new(cls)
+    obj.__dict__.update(fields)
+    return obj
+
+
+class LazySequence(Sequence[T]):
     """A sequence whose items are made when read: a subclass gives `__len__` and `_item(i)` for
     0 <= i < len; indexing works as a list's (negative indices, IndexError past the end), a slice
     gives a `_slice` of the items (a tuple unless said otherwise)."""
@@ -79,13 +103,13 @@ class _Lazy(Sequence[T]):
         return self._item(i % n)
 
 
-class PlannedTensors(_Lazy[OutTensor]):
+class PlannedTensors(LazySequence[OutTensor]):
     """One rank's tensors in file order, each built when it is read: what is held per tensor is its
     group number (shared by every rank) and its end offset (a rank of 100,000 tensors is ~1 MB, not
-    ~60 MB of objects). Compares equal to the tuple of its tensors."""
+    ~60 MB of objects). Compares equal to the tuple of its tensors; `Summarized` (`end`, `stats`)."""
 
-    def __init__(self, planner: RankPlanner, layouts: list[TensorLayout], ends: array[int]) -> None:
-        self._planner, self._layouts, self._ends = planner, layouts, ends
+    def __init__(self, groups: TensorGroups, layouts: list[GroupLayout], ends: array[int]) -> None:
+        self._groups, self._layouts, self._ends = groups, layouts, ends
         self._index: tuple[array[int], Pieces] | None = None
 
     def __len__(self) -> int:
@@ -113,7 +137,7 @@ class PlannedTensors(_Lazy[OutTensor]):
 
     def stats(self) -> tuple[int, int]:
         """(replicated bytes, bytes read from sources), summed by group."""
-        counts = self._planner.group_counts()
+        counts = self._groups.counts
         return (sum(n * self._layouts[g].nbytes for g, n in counts.items() if self._layouts[g].replicated),
                 sum(n * self._layouts[g].read for g, n in counts.items()))
 
@@ -124,19 +148,19 @@ class PlannedTensors(_Lazy[OutTensor]):
         hit = self._index
         if hit is not None and hit[1].header is header:
             return hit
-        planner, layouts = self._planner, self._layouts
+        groups, layouts = self._groups, self._layouts
         # per group: (extent number, offset in the tensor) of its non-empty extents
         parts = [[(k, pos) for k, (pos, e) in enumerate(zip(accumulate((e.nbytes for e in g.segments), initial=0),
                                                               g.segments)) if e.nbytes] for g in layouts]
         sizes = [g.nbytes for g in layouts]
-        begins = map(len(header).__add__, map(sub, self._ends, map(sizes.__getitem__, planner.gids)))
+        begins = map(len(header).__add__, map(sub, self._ends, map(sizes.__getitem__, groups.gids)))
         starts = array("q", [0])
         if all(p == [(0, 0)] for p in parts):  # one extent a tensor, at its start (the usual case)
             starts.extend(begins)
             owners = None
         else:
             owners = array("q")  # per piece: tensor number << 32 | extent number
-            for i, (b, g) in enumerate(zip(begins, planner.gids)):
+            for i, (b, g) in enumerate(zip(begins, groups.gids)):
                 for k, pos in parts[g]:
                     starts.append(b + pos)
                     owners.append(i << 32 | k)
@@ -148,33 +172,31 @@ class PlannedTensors(_Lazy[OutTensor]):
     def _piece(self, owners: array[int] | None, j: int) -> Extent:
         """Piece j (after the header) of the index: tensor i's extent k, shifted to where i is."""
         i, k = (j, 0) if owners is None else divmod(owners[j], 1 << 32)
-        planner = self._planner
-        g = self._layouts[planner.gids[i]]
-        file, start = planner.where[i]
+        groups = self._groups
+        g = self._layouts[groups.gids[i]]
+        file, start = groups.where[i]
         delta = start - g.base_start
         ext = g.segments[k]
         return ext if delta == 0 and file == g.base_file else _shift(ext, file, delta)
 
     def _make(self, i: int) -> OutTensor:
-        planner = self._planner
-        name, gt = planner.order[i]
-        g = self._layouts[planner.gids[i]]
+        groups = self._groups
+        name, gt = groups.order[i]
+        g = self._layouts[groups.gids[i]]
         end = self._ends[i]
-        file, start = planner.where[i]
+        file, start = groups.where[i]
         delta = start - g.base_start
         if delta == 0 and file == g.base_file:
             segments = g.segments
         else:
             segments = tuple([_shift(s, file, delta) for s in g.segments])
-        rule = planner.rules[name]
-        t = _new(OutTensor)  # a frozen dataclass built without its per-field __setattr__ (same object)
-        t.__dict__.update(name=name, dtype=gt.dtype, shape=g.shape, global_shape=gt.shape, kind=rule.kind,
-                          options=dict(rule.options), selection=g.selection, segments=segments,
-                          begin=end - g.nbytes, end=end)
-        return t
+        rule = groups.rules[name]
+        return _frozen(OutTensor, {"name": name, "dtype": gt.dtype, "shape": g.shape, "global_shape": gt.shape,
+                                   "kind": rule.kind, "options": dict(rule.options), "selection": g.selection,
+                                   "segments": segments, "begin": end - g.nbytes, "end": end})
 
 
-class Pieces(_Lazy[bytes | Extent]):
+class Pieces(LazySequence[bytes | Extent]):
     """The pieces of a rank file as `RankStream` indexes them: the header, then each non-empty
     extent of each tensor, made when read (slices are lists, as the list it stands for gives)."""
 

@@ -15,33 +15,28 @@ with the per-tensor planner's output on a large synthetic checkpoint).
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from array import array
-from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from itertools import accumulate
-from json.encoder import encode_basestring_ascii as _json_str  # type: ignore[attr-defined]
 from operator import attrgetter
 from typing import Any
 
 from reshard.errors import PlanError
-from reshard.format.checkpoint import DTYPE_SIZES, GlobalTensor, Source
+from reshard.format.checkpoint import DTYPE_SIZES, GlobalTensor, Source, whole_infos
+from reshard.format.rank_file import FORMAT, HeaderEncoder, header_prefix, tensor_json
 from reshard.format.selection import full_selection, selection_shape
 from reshard.gcpause import paused_gc
 from reshard.layout.mesh import MAX_WORLD, Layout
-from reshard.layout.placement import FORMAT, Placement
+from reshard.layout.placement import Placement
 from reshard.layout.roles import source_roles
-from reshard.plan.planned import PlannedTensors, TensorLayout, _Lazy
+from reshard.plan.planned import GroupLayout, LazySequence, PlannedTensors, TensorGroups
 from reshard.plan.reads import bytes_read
 from reshard.plan.segments import segments_for
 from reshard.plan.types import OutTensor, Plan, RankPlan, source_files
 from reshard.rules.manifest import Manifest, Rule
 
 __all__ = ["LayoutPlanner", "LazyRanks", "RankPlanner", "make_plan", "make_planner", "resolve_rules"]
-
-_COMPACT = (",", ":")
-
 
 class RankPlanner:
     """Plans the ranks that hold one set of tensors (`placement` says which part each gets): tensors are
@@ -51,18 +46,7 @@ class RankPlanner:
     def __init__(self, tensors: Mapping[str, GlobalTensor], files: dict[str, tuple[int, int | str]],
                  rules: Mapping[str, Rule], placement: Placement) -> None:
         self.tensors, self.files, self.rules, self.placement = tensors, files, rules, placement
-        infos = getattr(tensors, "infos", None)  # format.WholeTensors: every tensor is one whole piece
-        if infos is not None:
-            # grouped by (rule, name suffix, shape, dtype), read from the TensorInfos (no GlobalTensor made)
-            keys = list(zip(map(id, map(rules.__getitem__, infos)), [n[n.rfind(".") :] if "." in n else "" for n in infos],
-                            map(attrgetter("shape"), infos.values()), map(attrgetter("dtype"), infos.values())))
-            meta, loc = infos, infos  # each tensor's dtype and shape; where it starts
-        else:  # the same for tensors stored whole in one file; others are planned alone
-            full = {shape: full_selection(shape) for shape in {gt.shape for gt in tensors.values()}}
-            keys = [(id(rules[n]), n[n.rfind(".") :] if "." in n else "", gt.shape, gt.dtype)
-                    if len(gt.pieces) == 1 and (gt.pieces[0].select is full[gt.shape] or gt.pieces[0].select == full[gt.shape])
-                    else n for n, gt in tensors.items()]
-            meta, loc = tensors, {n: gt.pieces[0].info for n, gt in tensors.items()}
+        keys, meta, loc = _group_keys(tensors, rules)
         gid_of = {key: gid for gid, key in enumerate(dict.fromkeys(keys))}  # numbered in source order
         src = list(tensors)
         src_gids = list(map(gid_of.__getitem__, keys))
@@ -70,43 +54,21 @@ class RankPlanner:
         first_of = dict(zip(reversed(src_gids), reversed(src)))
         self.firsts: list[str] = [first_of[gid] for gid in range(len(gid_of))]  # the first tensor (in source order) of each group
         names = sorted(src)  # the metadata's key order (json sort_keys)
-        in_order = names == src  # (a Checkpoint's tensors are)
-        name_gids = src_gids if in_order else list(map(dict(zip(src, src_gids)).__getitem__, names))
-        ordered = names  # file order: largest item size first, then name (data_order)
-        if len({DTYPE_SIZES[t.dtype] for t in meta.values()}) > 1:
-            by_size: dict[int, list[str]] = {}
-            for n in names:
-                by_size.setdefault(DTYPE_SIZES[meta[n].dtype], []).append(n)
-            ordered = [n for size in sorted(by_size, reverse=True) for n in by_size[size]]
-        if in_order and ordered is names:
-            self.order = list(meta.items())  # (name, its dtype and shape)
-            self.where = _places(loc.values())
-            self.gids = name_gids
+        # each tensor's group number in name order (a Checkpoint's tensors are in name order already)
+        self.sorted_gids = src_gids if names == src else list(map(dict(zip(src, src_gids)).__getitem__, names))
+        ordered = _file_order(names, meta)
+        if ordered is names and names == src:  # the same as the else branch, without the lookups
+            order, where, gids = list(meta.items()), _places(loc.values()), self.sorted_gids
         else:
-            self.order = list(zip(ordered, map(meta.__getitem__, ordered)))
-            self.where = _places(map(loc.__getitem__, ordered))
-            self.gids = name_gids if ordered is names else list(map(dict(zip(names, name_gids)).__getitem__, ordered))
-        self._sorted_gids = name_gids
-        self._counts: Counter[int] | None = None
-        # '"name":' in file order, and in name order escaped as the content of a JSON string (the
-        # metadata's "tensors" value), each with a comma before it but the first
-        if len(_json_str("".join(names))) == 2 + sum(map(len, names)):  # no name needs escaping
-            self._quoted = _first_bare([f',"{n}":' for n in ordered])
-            self._sorted_quoted = _first_bare([f',\\"{n}\\":' for n in names])
-        else:
-            quoted = {n: _json_str(n) + ":" for n in names}
-            self._quoted = _first_bare(["," + quoted[n] for n in ordered])
-            self._sorted_quoted = _first_bare(["," + _json_str(q)[1:-1] for q in quoted.values()])
-        self._layouts: dict[int, list[TensorLayout]] = {}
+            order = list(zip(ordered, map(meta.__getitem__, ordered)))
+            where = _places(map(loc.__getitem__, ordered))
+            gids = self.sorted_gids if ordered is names else list(map(dict(zip(names, self.sorted_gids)).__getitem__, ordered))
+        self.groups = TensorGroups(order, where, gids, rules)
+        self.encoder = HeaderEncoder(names, ordered)
+        self._layouts: dict[int, list[GroupLayout]] = {}
         self._entries: tuple[Any, array[int], str] | None = None  # the last rank's header entries
 
-    def group_counts(self) -> Counter[int]:
-        """How many tensors each group has."""
-        if self._counts is None:
-            self._counts = Counter(self.gids)
-        return self._counts
-
-    def layouts(self, rank: int) -> list[TensorLayout]:
+    def layouts(self, rank: int) -> list[GroupLayout]:
         """Each group's layout on `rank` (all a bad rule or shape can fail on), made once per rank."""
         hit = self._layouts.get(rank)
         if hit is None:
@@ -115,38 +77,33 @@ class RankPlanner:
             hit = self._layouts[rank] = [self._layout(name, self.tensors[name], rank) for name in self.firsts]
         return hit
 
+    def forget(self, rank: int) -> None:
+        """Drop the layouts kept for a second `plan(rank)` (a RankPlan holds its own)."""
+        self._layouts.pop(rank, None)
+
     def plan(self, rank: int) -> RankPlan:
         layouts = self.layouts(rank)
-        sizes, heads = [g.nbytes for g in layouts], [g.entry for g in layouts]
-        same = self._entries if self._entries is not None and self._entries[0] == (sizes, heads) else None
-        if same is not None:  # even splits: every rank has the same shapes and offsets, only selections differ
-            ends, entries = same[1], same[2]
-        else:
-            ends = array("q", accumulate(map(sizes.__getitem__, self.gids)))
-            stops = list(map(str, ends))  # a tensor begins where the one before it ends
-            n = len(stops)
-            entries = "".join(_rows(self._quoted, list(map(heads.__getitem__, self.gids)), ["0", *stops[:-1]][:n],
-                                    [","] * n, stops, ["]}"] * n))
-            self._entries = ((sizes, heads), ends, entries)
-        # JSON string escaping is done character by character, so the escaped "tensors" value is the
-        # escaped fragments joined: names once (in __init__), descriptions once per group
-        describe = [_json_str(g.describe)[1:-1] for g in layouts]
-        meta = {**self.placement.metadata(rank), "tensors": ""}
-        head = json.dumps({"__metadata__": meta}, separators=_COMPACT)[:-3]  # up to the opening quote of ""
-        parts = _rows(self._sorted_quoted, list(map(describe.__getitem__, self._sorted_gids)))
-        parts[:0] = [head, "{"]
-        parts += ['}"}', "," if entries else "", entries, "}"]
-        size = sum(map(len, parts))
-        parts.append(" " * (-size % 8))
-        # all ASCII (json escapes the rest), so latin-1 gives the same bytes as utf-8; with the length
-        # prefix as its 8 characters, the header is one join and one encode
-        parts.insert(0, (size + -size % 8).to_bytes(8, "little").decode("latin-1"))
-        header = "".join(parts).encode("latin-1")
-        del parts
-        return RankPlan(rank, self.placement.layout.world, PlannedTensors(self, layouts, ends), header,  # type: ignore[arg-type]
-                        self.files)
+        ends, entries = self._offsets(layouts)
+        # per tensor in name order, its group's description escaped as part of the "tensors" JSON string
+        described = [HeaderEncoder.escape(g.describe) for g in layouts]
+        header = self.encoder.header(header_prefix(self.placement.place(rank)),
+                                     list(map(described.__getitem__, self.sorted_gids)), entries)
+        return RankPlan(rank, self.placement.layout.world, PlannedTensors(self.groups, layouts, ends), header, self.files)
 
-    def _layout(self, name: str, gt: GlobalTensor, rank: int) -> TensorLayout:
+    def _offsets(self, layouts: list[GroupLayout]) -> tuple[array[int], str]:
+        """Each tensor's end offset and the header's tensor entries; the last rank's again when its
+        groups' sizes and entries are the same (even splits: only selections differ between ranks)."""
+        sizes, heads = [g.nbytes for g in layouts], [g.entry for g in layouts]
+        if self._entries is not None and self._entries[0] == (sizes, heads):
+            return self._entries[1], self._entries[2]
+        gids = self.groups.gids
+        ends = array("q", accumulate(map(sizes.__getitem__, gids)))
+        stops = list(map(str, ends))  # a tensor begins where the one before it ends
+        entries = self.encoder.entries(list(map(heads.__getitem__, gids)), ["0", *stops[:-1]][: len(stops)], stops)
+        self._entries = ((sizes, heads), ends, entries)
+        return ends, entries
+
+    def _layout(self, name: str, gt: GlobalTensor, rank: int) -> GroupLayout:
         rule = self.rules[name]
         sel = self.placement.select(name, gt.shape, rule, rank)
         shape = selection_shape(sel)
@@ -155,12 +112,37 @@ class RankPlanner:
         segments = segments_for(gt, sel)
         assert nbytes == sum(s.nbytes for s in segments), name
         read = sum(bytes_read(s) for s in segments)
-        entry = json.dumps({"dtype": gt.dtype, "shape": list(shape)}, separators=_COMPACT)[:-1]
         info = gt.pieces[0].info
         replicated = self.placement.replicated(name, gt.shape, rule, rank, sel)
-        return TensorLayout(sel, shape, nbytes, read, replicated, segments, str(info.file), info.start,
-                       json.dumps(probe.describe(), separators=_COMPACT, sort_keys=True),
-                       entry + ',"data_offsets":[')
+        return GroupLayout(sel, shape, nbytes, read, replicated, segments, str(info.file), info.start,
+                           tensor_json(probe.describe()), HeaderEncoder.entry_head(gt.dtype, shape))
+
+
+def _group_keys(tensors: Mapping[str, GlobalTensor], rules: Mapping[str, Rule]) -> tuple[list[Any], Mapping[str, Any], Mapping[str, Any]]:
+    """Per tensor in source order its group key, and per name what has its dtype and shape and what says
+    where it starts. Tensors stored whole in one file group by (rule, name suffix, shape, dtype); any other
+    is its own group (its name is its key)."""
+    infos = whole_infos(tensors)
+    if infos is not None:  # every tensor is whole: the keys below, read from the TensorInfos (no GlobalTensor made)
+        keys = list(zip(map(id, map(rules.__getitem__, infos)), [n[n.rfind(".") :] if "." in n else "" for n in infos],
+                        map(attrgetter("shape"), infos.values()), map(attrgetter("dtype"), infos.values())))
+        return keys, infos, infos
+    full = {shape: full_selection(shape) for shape in {gt.shape for gt in tensors.values()}}
+    keys = [(id(rules[n]), n[n.rfind(".") :] if "." in n else "", gt.shape, gt.dtype)
+            if len(gt.pieces) == 1 and (gt.pieces[0].select is full[gt.shape] or gt.pieces[0].select == full[gt.shape])
+            else n for n, gt in tensors.items()]
+    return keys, tensors, {n: gt.pieces[0].info for n, gt in tensors.items()}
+
+
+def _file_order(names: list[str], meta: Mapping[str, Any]) -> list[str]:
+    """`names` (sorted) in file order: largest item size first, then name (`data_order`); `names`
+    itself when every tensor has one item size."""
+    if len({DTYPE_SIZES[t.dtype] for t in meta.values()}) <= 1:
+        return names
+    by_size: dict[int, list[str]] = {}
+    for n in names:
+        by_size.setdefault(DTYPE_SIZES[meta[n].dtype], []).append(n)
+    return [n for size in sorted(by_size, reverse=True) for n in by_size[size]]
 
 
 def _places(infos: Iterable[Any]) -> list[tuple[str, int]]:
@@ -173,24 +155,7 @@ def _places(infos: Iterable[Any]) -> list[tuple[str, int]]:
     return list(zip(map(paths.__getitem__, ids), map(attrgetter("start"), infos)))
 
 
-def _first_bare(items: list[str]) -> list[str]:
-    """Comma-led `items` with the first comma dropped: joined, they are `",".join` of the bare ones."""
-    if items:
-        items[0] = items[0][1:]
-    return items
-
-
-def _rows(*columns: list[str]) -> list[str]:
-    """The columns' strings row by row: joined, `"".join(a + b + ... for a, b, ... in zip(*columns))`
-    without a string per row."""
-    width = len(columns)
-    parts = [""] * (width * len(columns[0]))
-    for j, column in enumerate(columns):
-        parts[j::width] = column
-    return parts
-
-
-class LazyRanks(_Lazy[RankPlan]):
+class LazyRanks(LazySequence[RankPlan]):
     """`Plan.ranks` for a caller that visits each rank once (`reshard plan`'s summary): a rank is
     planned when it is read and not kept, so only one rank's header is in memory at a time."""
 
@@ -253,7 +218,7 @@ class LayoutPlanner:
             hit = self._planners[key] = RankPlanner(held, self.files, self.rules, self.placement)
         return hit
 
-    def layouts(self, rank: int) -> list[TensorLayout]:
+    def layouts(self, rank: int) -> list[GroupLayout]:
         return self.planner(rank).layouts(rank)
 
     def plan(self, rank: int) -> RankPlan:
@@ -261,7 +226,7 @@ class LayoutPlanner:
 
     def forget(self, rank: int) -> None:
         """Drop the layouts kept for a second `plan(rank)` (a RankPlan holds its own)."""
-        self.planner(rank)._layouts.pop(rank, None)
+        self.planner(rank).forget(rank)
 
 
 def as_layout(layout: Layout | int) -> Layout:
@@ -284,8 +249,8 @@ def make_planner(ckpt: Source, manifest: Manifest, layout: Layout | int, *,
         rules, warnings = resolve_rules(list(tensors), manifest, strict=strict)
         roles = None
         if not layout.tp_only:
-            infos = getattr(tensors, "infos", None)
-            shapes = {n: i.shape for n, i in infos.items()} if infos is not None else {n: t.shape for n, t in tensors.items()}
+            infos = whole_infos(tensors)  # the same shapes, without making every GlobalTensor
+            shapes = {n: i.shape for n, i in (infos if infos is not None else tensors).items()}
             roles = source_roles(getattr(ckpt, "config", None), shapes)
         placement = Placement(layout, roles)
         placement.check()

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from reshard.format.checkpoint import DTYPE_SIZES, Source
+from reshard.format.rank_file import describe_tensor, rank_file_name
 from reshard.format.selection import Selection, full_selection
 from reshard.layout.mesh import MAX_WORLD, Layout
-from reshard.layout.placement import FORMAT
 from reshard.plan.reads import Extent, bytes_read
 from reshard.rules.manifest import Manifest
 
@@ -47,16 +48,12 @@ class OutTensor:
 
     def describe(self) -> dict[str, Any]:
         """The self-description stored in the rank file's metadata."""
-        out: dict[str, Any] = {"kind": self.kind, "shape": list(self.global_shape),
-                               "select": [[list(iv) for iv in dim] for dim in self.selection]}
-        if self.options:
-            out["options"] = self.options
-        return out
+        return describe_tensor(self.kind, self.global_shape, self.selection, self.options)
 
 
 @runtime_checkable
 class Summarized(Protocol):
-    """Tensors that know their totals without building each one (`plan.tensors.PlannedTensors`)."""
+    """Tensors that know their totals without building each one (`reshard.plan.planned.PlannedTensors`)."""
 
     @property
     def end(self) -> int:
@@ -69,11 +66,12 @@ class Summarized(Protocol):
 @dataclass(frozen=True)
 class RankPlan:
     """Everything rank `rank` of a world of `world` ranks receives; `header` is the exact safetensors
-    header bytes. Its file is `rank_file_name(rank, world)`."""
+    header bytes. Its file is `rank_file_name(rank, world)`. `tensors` is a tuple, or (from the grouped
+    planner) a `PlannedTensors` that makes each when it is read and is also `Summarized`."""
 
     rank: int
     world: int
-    tensors: tuple[OutTensor, ...]
+    tensors: Sequence[OutTensor]
     header: bytes
     files: dict[str, tuple[int, int | str]] = field(default_factory=dict)  # source -> (size, mtime_ns or ETag)
 
@@ -92,21 +90,11 @@ class RankPlan:
         return {"tensors": len(self.tensors), "bytes": self.size, "replicated_bytes": replicated, "bytes_read": read}
 
 
-def rank_file_name(rank: int, world: int) -> str:
-    return f"rank-{rank:05d}-of-{world:05d}.safetensors"
-
-
 def check_tp(tp: Any, rank: Any = None) -> None:
     """`PlanError` unless `tp` is a valid tensor-parallel size and `rank` (when given) one of its ranks."""
     layout = Layout(tp=tp)
     if rank is not None:
         layout.check_rank(rank)
-
-
-def rank_metadata(tp: int, rank: int, tensors: dict[str, dict[str, Any]]) -> dict[str, str]:
-    """A rank file's `__metadata__`: format, tp, rank and every tensor's self-description."""
-    describe = json.dumps(tensors, separators=(",", ":"), sort_keys=True)
-    return {"format": FORMAT, "tp": str(tp), "rank": str(rank), "tensors": describe}
 
 
 def data_order(name: str, dtype: str) -> tuple[int, str]:

@@ -10,10 +10,11 @@ from torch import nn
 
 from reshard.fill.into_params import RankHeader, byte_view
 from reshard.format.checkpoint import CONFIG_NAME, DTYPE_SIZES, encode_header
+from reshard.format.rank_file import RankPlace, encode_metadata, rank_file_name
 from reshard.format.torch_side import DTYPE_NAMES
 from reshard.io.outfs import atomic_file, check_space, output_errors, prepare_dir, write_json_atomic
 from reshard.io.sinks.writer import MANIFEST_NAME
-from reshard.plan.types import data_order, rank_file_name, rank_metadata
+from reshard.plan.types import data_order
 from reshard.trainer.names import shard_targets
 
 RETRY = "train (or save) again"
@@ -37,7 +38,7 @@ def save_rank_shard(model: nn.Module, out_dir: str | Path, *, config: dict | Non
         pos += n
     out = prepare_dir(out_dir)
     path = out / rank_file_name(header.rank, header.tp)
-    head = encode_header(rank_metadata(header.tp, header.rank, header.tensors), entries)
+    head = encode_header(encode_metadata(RankPlace(header.tp, header.rank), header.tensors), entries)
     check_space(out, len(head) + pos, fix=f"free some space there or save elsewhere, then {RETRY}")
     with output_errors(path, retry=RETRY), atomic_file(path) as f:
         f.write(head)

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from transformers import __version__ as TRANSFORMERS
 
 from reshard.format.checkpoint import Checkpoint
-from reshard.plan.types import rank_file_name
+from reshard.format.rank_file import rank_file_name
 from reshard.testing.synth import llama_config, make_checkpoint
 from tests.support.core import assert_same, even_chunk, head_chunk, padded_chunk, run_cli, sha256_file
 

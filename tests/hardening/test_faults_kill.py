@@ -18,9 +18,9 @@ from typing import Any
 import httpx
 import pytest
 
+from reshard.format.rank_file import rank_file_name
 from reshard.io.outfs import TMP_PREFIX
 from reshard.io.sinks.writer import MANIFEST_NAME
-from reshard.plan.types import rank_file_name
 from tests.support.hard import live_server, metric, wait_for
 from tests.support.live import REPO, LiveServer, make_ckpt
 

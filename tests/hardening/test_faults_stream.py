@@ -22,8 +22,8 @@ import httpx
 import pytest
 
 from reshard.errors import IntegrityError
+from reshard.format.rank_file import rank_file_name
 from reshard.io.client.shard_client import ShardClient
-from reshard.plan.types import rank_file_name
 from tests.support.hard import ThrottledProxy, fd_count, live_server, metric, process_tree, rss_anon, wait_for
 from tests.support.live import BIG, REPO, LiveServer, make_ckpt
 

@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from reshard.plan.types import rank_file_name
+from reshard.format.rank_file import rank_file_name
 from tests.support.hard import live_server, raw_http, tree
 from tests.support.live import LiveServer, make_ckpt
 

@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 import pytest
 
-from reshard.plan.types import rank_file_name
+from reshard.format.rank_file import rank_file_name
 from tests.support.fs import Mount, mounted
 from tests.support.hard import live_server, wait_for, workers
 from tests.support.live import LiveServer

@@ -30,7 +30,7 @@ import pytest
 import torch
 from safetensors.torch import save
 
-from reshard.plan.types import rank_file_name
+from reshard.format.rank_file import rank_file_name
 from tests.support.fs import Mount, mounted
 from tests.support.hard import Created, live_server, wait_for, workers
 from tests.support.live import BIG, LiveServer, make_ckpt

@@ -18,13 +18,14 @@ from safetensors import safe_open
 
 from reshard.cli import main
 from reshard.errors import CheckpointError, PlanError
+from reshard.format.rank_file import rank_file_name
 from reshard.io.sinks.write import write_shards
 from reshard.io.sinks.writer import MANIFEST_NAME
 from reshard.io.source.opener import open_source
 from reshard.layout import Layout
 from reshard.layout.roles import layer_range
 from reshard.plan.planner import make_plan
-from reshard.plan.types import plan_to_json, rank_file_name
+from reshard.plan.types import plan_to_json
 from reshard.service import Settings, create_app
 from tests.support.plan_archs import full_checkpoint
 

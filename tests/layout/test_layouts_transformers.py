@@ -32,12 +32,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from reshard.format.rank_file import rank_file_name
 from reshard.io.sinks.hf_checkpoint import merge
 from reshard.io.sinks.write import write_shards
 from reshard.io.source.opener import open_source
 from reshard.layout import Layout
 from reshard.plan.planner import make_plan
-from reshard.plan.types import rank_file_name
 from tests.support.dist import run_distributed
 from tests.support.live import LiveServer, live_server
 from tests.support.nd import load_nd

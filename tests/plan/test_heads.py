@@ -15,9 +15,9 @@ from safetensors.torch import load_file
 
 from reshard.errors import PlanError
 from reshard.format.checkpoint import Checkpoint
+from reshard.format.rank_file import rank_file_name
 from reshard.io.sinks.write import write_shards
 from reshard.plan.planner import make_plan
-from reshard.plan.types import rank_file_name
 from reshard.rules.manifest import Manifest
 from tests.support.core import assert_same, bits, head_chunk, packed_chunk, random_tensor, save_checkpoint
 

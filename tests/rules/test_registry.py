@@ -17,10 +17,10 @@ from safetensors.torch import load_file
 
 from reshard.errors import RegistryError
 from reshard.format.checkpoint import Checkpoint
+from reshard.format.rank_file import rank_file_name
 from reshard.format.selection import Selection
 from reshard.io.sinks.write import write_shards
 from reshard.plan.planner import make_plan
-from reshard.plan.types import rank_file_name
 from reshard.rules import kinds as loaders
 from reshard.rules.kinds import SliceLoader, known_kinds, loader_for, register_loader, split_interval
 from reshard.rules.manifest import Manifest, Rule

@@ -18,9 +18,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from reshard.format.checkpoint import Checkpoint
+from reshard.format.rank_file import rank_file_name
 from reshard.io.sinks.write import write_shards
 from reshard.plan.planner import make_plan
-from reshard.plan.types import rank_file_name
 from reshard.rules.kinds import loader_for
 from reshard.rules.manifest import Manifest, Rule
 from tests.support.core import (

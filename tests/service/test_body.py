@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 
 from reshard.errors import IntegrityError, NotFoundError, PlanError, ReshardError
+from reshard.format.rank_file import rank_file_name
 from reshard.io.client.body import ShardBody, file_body
-from reshard.plan.types import rank_file_name
 from tests.support.live import BIG, LiveServer
 
 pytestmark = [pytest.mark.servers, pytest.mark.timeout(180)]

@@ -14,10 +14,10 @@ from typing import Any
 import httpx
 import pytest
 
+from reshard.format.rank_file import rank_file_name
 from reshard.io.source.opener import open_source
 from reshard.plan.planner import make_plan
 from reshard.plan.reads import Interleave, Segment
-from reshard.plan.types import rank_file_name
 from reshard.service.transport.gathered import LEAD
 from reshard.service.transport.pump import DIRECT_MIN
 from tests.support.live import BIG, LiveServer, live_server, make_ckpt, metric, raw_request, sendfile_bytes

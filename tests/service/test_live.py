@@ -18,8 +18,8 @@ from typing import Any
 import httpx
 import pytest
 
+from reshard.format.rank_file import rank_file_name
 from reshard.io.client.shard_client import ShardClient
-from reshard.plan.types import rank_file_name
 from tests.support.live import (
     BIG,
     REPO,

@@ -20,8 +20,8 @@ from typing import Any
 import httpx
 import pytest
 
+from reshard.format.rank_file import rank_file_name
 from reshard.io.outfs import TMP_PREFIX
-from reshard.plan.types import rank_file_name
 from tests.support.live import BIG, REPO, LiveServer, live_server, process_tree
 
 pytestmark = pytest.mark.timeout(300)

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from reshard.plan.types import rank_file_name
+from reshard.format.rank_file import rank_file_name
 
 BALLAST = ".ballast"
 

@@ -27,10 +27,11 @@ def plan_digest(ranks: Any) -> str:
 def reference_plan(ckpt: Any, manifest: Any, tp: int) -> list[Any]:
     """Every rank planned tensor by tensor, as `reshard.plan.planner.plan_rank` did before the grouped planner:
     each tensor's own selection, `segments_for` and description, then `layout` (sort + `encode_header`)."""
+    from reshard.format.rank_file import RankPlace, encode_metadata
     from reshard.format.selection import selection_shape
     from reshard.plan.planner import resolve_rules
     from reshard.plan.segments import layout, segments_for
-    from reshard.plan.types import OutTensor, rank_metadata, source_files
+    from reshard.plan.types import OutTensor, source_files
     from reshard.rules.kinds import tensor_selection
 
     tensors, files = ckpt.global_tensors(), source_files(ckpt)
@@ -43,6 +44,6 @@ def reference_plan(ckpt: Any, manifest: Any, tp: int) -> list[Any]:
             sel = tensor_selection(name, src.shape, rule, rank, tp)
             items.append(OutTensor(name, src.dtype, selection_shape(sel), src.shape, rule.kind, dict(rule.options),
                                    sel, segments_for(src, sel)))
-        meta = rank_metadata(tp, rank, {t.name: t.describe() for t in items})
+        meta = encode_metadata(RankPlace(tp, rank), {t.name: t.describe() for t in items})
         ranks.append(layout(items, meta, files, rank=rank, world=tp))
     return ranks

@@ -16,8 +16,8 @@ import torch
 from safetensors.torch import load_file
 
 from reshard.errors import CheckpointError
+from reshard.format.rank_file import rank_file_name
 from reshard.io.sinks.hf_checkpoint import merge
-from reshard.plan.types import rank_file_name
 from reshard.trainer import build_model
 from tests.support.trainer_archs import ARCHS, GRADS, IDS, MOE_ARCHS, TP4, hf_config
 from tests.support.trainer_checks import arch_job, global_slice, run_distributed

@@ -16,8 +16,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from reshard.format.rank_file import rank_file_name
 from reshard.io.sinks.hf_checkpoint import merge
-from reshard.plan.types import rank_file_name
 from reshard.testing.synth import llama_config, make_checkpoint
 from reshard.trainer import build_model
 from tests.support.trainer_archs import ARCHS, IDS, reference_model, write_shards

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from reshard.errors import NoSpaceError, OutputPathError, ReadOnlyError
-from reshard.plan.types import rank_file_name
+from reshard.format.rank_file import rank_file_name
 from tests.support.fs import KINDS, RANK1, TP, Mount, get_mount, leftovers, listing
 
 pytestmark = pytest.mark.multiproc

@@ -45,6 +45,7 @@ import httpx
 
 from reshard import errors
 from reshard.errors import IntegrityError, NotFoundError, OutputPathError, ReshardError
+from reshard.format.rank_file import rank_file_name
 from reshard.io.client.wire import RETRY_CAP, SHA_HEADER, as_world, auth_headers, layout_params
 from reshard.io.client.wire import checkpoint_url as as_checkpoint_url
 from reshard.io.hashing import BackgroundHash, file_sha256
@@ -52,7 +53,6 @@ from reshard.io.outfs import check_space, fsync_dir, made_dir, output_errors
 from reshard.io.progress import Progress
 from reshard.io.retry import Backoff, Retries
 from reshard.layout.mesh import Layout
-from reshard.plan.types import rank_file_name
 
 _CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/(\d+)$")
 _RETRY_STATUS = frozenset({500, 502, 503, 504})

@@ -16,12 +16,13 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from reshard.format.checkpoint import CONFIG_NAME, Source
+from reshard.format.rank_file import rank_file_name
 from reshard.io.progress import Progress
 from reshard.io.rank_stream import CHUNK, RankStream
 from reshard.io.sinks.writer import MANIFEST_NAME, complete_record, record_of_plan
 from reshard.io.source.remote_dir import read_file
 from reshard.io.source.stores import store_for
-from reshard.plan.types import Plan, RankPlan, rank_file_name
+from reshard.plan.types import Plan, RankPlan
 
 PART = 8 << 20  # multipart part size (S3 needs >= 5 MiB for all parts but the last)
 UPLOADS_IN_FLIGHT = 4

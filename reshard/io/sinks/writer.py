@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from reshard.format.checkpoint import CONFIG_NAME, Source
+from reshard.format.rank_file import rank_file_name
 from reshard.io.hashing import file_sha256
 from reshard.io.outfs import (
     check_space,
@@ -26,7 +27,7 @@ from reshard.io.progress import Progress
 from reshard.io.rank_stream import RankStream
 from reshard.io.sinks.outfile import Buffers, OutFile
 from reshard.io.source.remote_dir import copy_beside
-from reshard.plan.types import Plan, RankPlan, rank_file_name
+from reshard.plan.types import Plan, RankPlan
 
 MANIFEST_NAME = "reshard.json"
 PARTIAL_NAME = ".reshard-partial.json"  # rank files published so far by an unfinished write of one plan

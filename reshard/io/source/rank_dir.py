@@ -8,7 +8,6 @@ the ranks hold (pipeline stages hold some tensors only, FSDP and TP pieces tile 
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from pathlib import Path
@@ -24,21 +23,20 @@ from reshard.format.checkpoint import (
     _read_config,
     files_identity,
 )
+from reshard.format.rank_file import decode_metadata, is_rank_file_name, parse_rank_file_name
 from reshard.format.selection import selection_shape
 from reshard.layout.mesh import Layout
-from reshard.layout.placement import FORMAT, describe_layout
+from reshard.layout.placement import describe_layout
 from reshard.rules.manifest import Manifest, Rule
-
-RANK_FILE = re.compile(r"rank-(\d{5})-of-(\d{5})\.safetensors")
 
 
 def is_shard_dir(path: str | os.PathLike[str]) -> bool:
     path = Path(path)
-    return path.is_dir() and any(RANK_FILE.fullmatch(p.name) for p in path.iterdir())
+    return path.is_dir() and any(is_rank_file_name(p.name) for p in path.iterdir())
 
 
 def has_rank_files(names: list[str] | None) -> bool:
-    return any(RANK_FILE.fullmatch(n) for n in names or ())
+    return any(map(is_rank_file_name, names or ()))
 
 
 class ShardSet:
@@ -60,9 +58,9 @@ class ShardSet:
         root = files_in.root
         found: dict[int, dict[int, str]] = {}
         for name in files_in.names() or ():
-            m = RANK_FILE.fullmatch(name)
-            if m:
-                found.setdefault(int(m.group(2)), {})[int(m.group(1))] = name
+            named = parse_rank_file_name(name)
+            if named:
+                found.setdefault(named[1], {})[named[0]] = name
         if not found:
             raise CheckpointError(f"{root}: no rank-XXXXX-of-YYYYY.safetensors files")
         if tp is None:
@@ -121,19 +119,12 @@ class ShardSet:
 
 
 def _describe(info: FileInfo, rank: int, world: int) -> tuple[Layout, dict[str, Any]]:
-    meta = info.metadata
-    if meta.get("format") != FORMAT:
-        raise CheckpointError(f"{info.path}: not a reshard rank file (metadata format {meta.get('format')!r}, expected {FORMAT!r})")
+    meta = decode_metadata(info.metadata, str(info.path))
     try:
         layout = describe_layout(meta, str(info.path))
     except PlanError as e:
         raise CheckpointError(str(e)) from None
-    if meta.get("rank") != str(rank) or layout.world != world:
-        raise CheckpointError(f"{info.path}: metadata says rank {meta.get('rank')} of {layout.describe()} "
+    if meta.rank != rank or layout.world != world:
+        raise CheckpointError(f"{info.path}: metadata says rank {meta.rank} of {layout.describe()} "
                               f"({layout.world} ranks), the name says rank {rank} of {world}")
-    try:
-        desc = json.loads(meta["tensors"])
-        assert isinstance(desc, dict) and all({"kind", "shape", "select"} <= set(v) for v in desc.values())
-    except (KeyError, ValueError, AssertionError, TypeError):
-        raise CheckpointError(f"{info.path}: metadata `tensors` is missing or malformed") from None
-    return layout, desc
+    return layout, meta.tensors

@@ -42,11 +42,12 @@ from pathlib import Path
 from typing import Any
 
 from reshard.errors import NotFoundError, ReshardError, StateUnavailableError
+from reshard.format.rank_file import rank_file_name
 from reshard.io.outfs import output_errors
 from reshard.io.owners import is_alive, this_process
 from reshard.io.sinks.write import write_shards
 from reshard.layout.mesh import Layout
-from reshard.plan.types import Plan, rank_file_name
+from reshard.plan.types import Plan
 from reshard.service.catalog import Catalog, ServedCheckpoint
 from reshard.service.http_errors import ServerPaths
 from reshard.service.jobs.digests import DigestCache

@@ -21,9 +21,9 @@ from typing import Any
 import boto3
 import pytest
 
+from reshard.format.rank_file import rank_file_name
 from reshard.io.outfs import TMP_PREFIX
 from reshard.io.sinks.writer import PARTIAL_NAME
-from reshard.plan.types import rank_file_name
 from reshard.testing.local_servers import StoreServer, http_server, s3_server
 from tests.support.fs import Mount, assert_clean, reshard
 from tests.support.hard import ThrottledProxy, wait_for

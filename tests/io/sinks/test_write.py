@@ -21,13 +21,14 @@ from safetensors.torch import load_file, save_file
 from reshard.cli import Interrupted, stop_on_signals
 from reshard.errors import SourceChangedError
 from reshard.format.checkpoint import Checkpoint
+from reshard.format.rank_file import rank_file_name
 from reshard.io.outfs import TMP_PREFIX
 from reshard.io.rank_stream import RankStream
 from reshard.io.sinks import outfile
 from reshard.io.sinks.write import write_shards
 from reshard.io.source.opener import open_source
 from reshard.plan.planner import make_plan
-from reshard.plan.types import plan_to_json, rank_file_name
+from reshard.plan.types import plan_to_json
 from reshard.rules.manifest import Manifest
 from reshard.testing.synth import llama_config, make_checkpoint
 from tests.support.core import assert_same, run_cli, sha256_file

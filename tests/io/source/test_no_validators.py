@@ -21,9 +21,9 @@ from pathlib import Path
 import pytest
 
 from reshard.cli import main
+from reshard.format.rank_file import rank_file_name
 from reshard.io.source.remote_dir import SPECULATIVE
 from reshard.io.source.stores import SETTLE
-from reshard.plan.types import rank_file_name
 from tests.support.live import make_ckpt
 
 pytestmark = [pytest.mark.servers, pytest.mark.timeout(120)]

@@ -12,8 +12,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from reshard.errors import PlanError
+from reshard.format.rank_file import rank_file_name
 from reshard.io.sinks.hf_checkpoint import merge
-from reshard.plan.types import rank_file_name
 from reshard.testing.synth import llama_config
 from reshard.trainer import build_model, save_rank_shard
 from tests.support.dist import run_distributed

@@ -14,10 +14,10 @@ from safetensors.torch import load_file
 
 from reshard.cli import main
 from reshard.errors import ManifestError, PlanError
+from reshard.format.rank_file import rank_file_name
 from reshard.io.sinks.hf_checkpoint import merge
 from reshard.io.source.opener import open_source
 from reshard.plan.planner import make_plan
-from reshard.plan.types import rank_file_name
 from reshard.rules.kinds import tensor_selection
 from reshard.testing.synth import llama_config
 from tests.support.fp8_ckpt import (

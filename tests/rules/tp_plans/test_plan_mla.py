@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from reshard import cli
-from reshard.plan.types import rank_file_name
+from reshard.format.rank_file import rank_file_name
 from tests.support.plan_archs import Built, full_checkpoint, same_tensor
 
 pytestmark = pytest.mark.multiproc

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from reshard.plan.types import rank_file_name
+from reshard.format.rank_file import rank_file_name
 from tests.support.plan_archs import ARCHS, Built, full_checkpoint
 
 pytestmark = pytest.mark.multiproc

@@ -14,7 +14,7 @@ from typing import Annotated, Any
 import anyio.to_thread
 from fastapi import APIRouter, Header, Path, Request, Response
 
-from reshard.plan.types import rank_file_name
+from reshard.format.rank_file import rank_file_name
 from reshard.service.api.deps import (
     CatalogDep,
     DigestsDep,
