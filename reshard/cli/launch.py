@@ -127,7 +127,7 @@ def prefetch(args: argparse.Namespace) -> dict[int, dict[str, Any]]:
     url = args.prefetch
     if not url or not url.startswith(("http://", "https://")) or "/v1/checkpoints/" not in url:
         return {}
-    from reshard.io.client.shard_client import shard_prefetch as fetch
+    from reshard.io.client import shard_prefetch as fetch
 
     world = args.nnodes * args.nproc_per_node
     return {local: fetch.start(url, args.node_rank * args.nproc_per_node + local, world)
