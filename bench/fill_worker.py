@@ -43,10 +43,13 @@ def _status_mib(*fields: str) -> dict[str, float]:
 
 def _import_model_class(mode: str, source: str) -> None:
     """What every mode imports before loading: transformers and the checkpoint's model class (as the
-    launcher's preload does, and as from_pretrained would). A fill imports reshard first, as a worker
-    of reshard's does (docs/launch.md): transformers is then imported through `reshard.importcache`."""
+    launcher's preload does, and as from_pretrained would). A fill switches reshard's import cache on
+    first, as a worker of reshard's does (docs/launch.md): transformers is then imported through
+    `reshard.importcache`."""
     if mode != "from_pretrained":
-        import reshard  # noqa: F401
+        import reshard
+
+        reshard.enable_import_cache()
     import transformers
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 

@@ -12,9 +12,12 @@ The public API, in the order of the data flow::
 `fill_model` and `empty_tp_model` need torch and transformers. Every name but `Layout` and
 `ReshardError` is imported on first use, so `import reshard` stays cheap and a process that only
 fills a model (from rank files or the service) never imports the HTTP, settings or planning stacks.
-A transformers imported after `import reshard` does not read its own source tree to learn what it
-exports: that is kept on disk while the tree is unchanged (`reshard.importcache`), 0.6 s less per
-process on a 2-core machine.
+
+Importing reshard defines these names and does nothing else: no other library is patched, no file is
+written. `enable_import_cache()` is the one switch: a transformers imported after it does not read its
+own source tree to learn what it exports, that is kept on disk while the tree is unchanged
+(`reshard.importcache`), 0.6 s less per process on a 2-core machine. reshard's own entry points (the
+`reshard` commands, `reshard launch`, the trainer) call it; a worker of your own may, first thing.
 """
 
 from __future__ import annotations
@@ -22,17 +25,24 @@ from __future__ import annotations
 from importlib import import_module
 from typing import Any
 
-from reshard import importcache
 from reshard.errors import ReshardError
 from reshard.layout import Layout
 
-importcache.install()
-
 __version__ = "0.1.0"
-__all__ = ["Layout", "ReshardError", "__version__", "empty_tp_model", "fill_model", "make_plan", "open_source", "write_shards"]
+__all__ = ["Layout", "ReshardError", "__version__", "empty_tp_model", "enable_import_cache", "fill_model", "make_plan",
+           "open_source", "write_shards"]
 
 _LAZY = {"open_source": "reshard.io.source.opener", "write_shards": "reshard.io.sinks.write", "make_plan": "reshard.plan.planner",
          "fill_model": "reshard.fill", "empty_tp_model": "reshard.fill"}
+
+
+def enable_import_cache() -> None:
+    """Keep transformers' import structure on disk from the next `import transformers` on, so that it
+    does not read its whole source tree (`reshard.importcache`; where: `RESHARD_IMPORT_CACHE_DIR`).
+    Call it before transformers is imported; after, it does nothing. Idempotent."""
+    from reshard import importcache
+
+    importcache.install()
 
 
 def __getattr__(name: str) -> Any:

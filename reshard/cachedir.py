@@ -6,8 +6,9 @@ import os
 from pathlib import Path
 
 
-def cache_dir(name: str, *, env: str | None = None) -> Path:
-    """`$ENV` where that variable is set, else `$XDG_CACHE_HOME/reshard/NAME` (default `~/.cache/reshard/NAME`)."""
-    if env and os.environ.get(env):
-        return Path(os.environ[env])
+def cache_dir(name: str, configured: str = "") -> Path:
+    """`configured` (a settings field, e.g. `verified_dir`) where it is set, else `$XDG_CACHE_HOME/reshard/NAME`
+    (default `~/.cache/reshard/NAME`)."""
+    if configured:
+        return Path(configured)
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "reshard" / name

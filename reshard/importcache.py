@@ -6,7 +6,7 @@ and it does so twice: for the top-level package and for `transformers.models` (i
 once by a `Path`, once by a `str`). On this project's 2-core machine that is 0.6 s of a 2.9 s import,
 in every process that builds a model: each rank under torchrun, the launcher before it forks.
 
-`install()`, called before transformers is imported (`import reshard` calls it), wraps
+`install()`, called before transformers is imported, wraps
 `define_import_structure(module_path, prefix)` as its module is loaded (another signature is left
 alone). The result is kept on disk, as JSON, with the fingerprint of what it was computed from: every
 path under the walked directory with each file's size and mtime in nanoseconds, and the same of
@@ -14,9 +14,13 @@ path under the walked directory with each file's size and mtime in nanoseconds, 
 fingerprint, and the tree is read again. Where the directory cannot be read or written, transformers
 computes the structure as usual.
 
-The cache is `$RESHARD_IMPORT_CACHE_DIR`, else `$XDG_CACHE_HOME/reshard/imports/` (default
-`~/.cache/...`): one small JSON file per walked directory and prefix, replaced atomically. Installed
-after transformers was imported, `install()` does nothing.
+The cache is `$RESHARD_IMPORT_CACHE_DIR` (`LibrarySettings.import_cache_dir`), else
+`$XDG_CACHE_HOME/reshard/imports/` (default `~/.cache/...`): one small JSON file per walked directory
+and prefix, replaced atomically. Installed after transformers was imported, `install()` does nothing.
+
+Nothing installs it on import: `import reshard` changes no other library. reshard's own entry points
+switch it on (the `reshard` commands, `reshard launch`, `python -m reshard.cli.train`), and a worker of
+your own does with `reshard.enable_import_cache()` before it imports transformers (docs/launch.md).
 """
 
 from __future__ import annotations
@@ -36,9 +40,11 @@ from types import ModuleType
 from typing import Any
 
 from reshard.cachedir import cache_dir
+from reshard.errors import ReshardError
+from reshard.settings import env_name, library_settings
 
 TARGET = "transformers.utils.import_utils"
-DIR_ENV = "RESHARD_IMPORT_CACHE_DIR"  # LibrarySettings.import_cache_dir, read here without pydantic-settings
+DIR_ENV = env_name("import_cache_dir")
 Structure = dict[frozenset[str], dict[str, set[str]]]
 
 
@@ -78,10 +84,11 @@ def cached(original: Callable[..., Structure], module_path: str | os.PathLike[st
     root = os.path.dirname(root) if os.path.isfile(root) else root
     try:
         fingerprint = _fingerprint(root, original)
-    except OSError:
+        configured = library_settings().import_cache_dir
+    except (OSError, ReshardError):  # a bad RESHARD_* value is said by what reads it, not by `import transformers`
         return original(module_path, prefix)
     key = hashlib.blake2b(f"{os.path.realpath(root)}\0{prefix}".encode(), digest_size=12).hexdigest()
-    dest = cache_dir("imports", env=DIR_ENV) / f"transformers-{key}.json"
+    dest = cache_dir("imports", configured) / f"transformers-{key}.json"
     with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
         rec = json.loads(dest.read_bytes())
         if rec["fingerprint"] == fingerprint:

@@ -8,7 +8,8 @@
     .venv/bin/python scripts/gen_docs.py --check   # exit 1 if a committed table differs from what this makes
 
 Sources: the service settings class (`reshard.service.serve_settings.Settings`) and the flags of
-`reshard serve`; the library's settings class (`reshard.settings.LibrarySettings`); the benchmark results in
+`reshard serve`; the library's settings class (`reshard.settings.LibrarySettings`, with the service's:
+every `RESHARD_*` variable, docs/settings.md); the benchmark results in
 `bench/results/` (`quick.json`, `full.json` from `./run bench [--full]`, `stores.md`, `s3_write.md`,
 `trainer_support.json`); the plan tests' results `tests/rules/tp_plans/results/coverage.json` (rendered by
 `scripts/coverage_table.py`). Only the text between the markers is touched.
@@ -103,7 +104,10 @@ def _default(field: Any) -> str:
         return "required"
     if field.default_factory is not None:
         return "computed at start-up"
-    v = field.default
+    return _value(field.default)
+
+
+def _value(v: Any) -> str:
     if v is None or v == "":
         return "unset"
     if isinstance(v, bool):
@@ -113,13 +117,6 @@ def _default(field: Any) -> str:
     if isinstance(v, float) and v.is_integer():
         return f"`{int(v)}`"
     return f"`{v}`"
-
-
-def library_settings_class() -> type:
-    """The library's settings (`reshard.settings.LibrarySettings`)."""
-    from reshard.settings import LibrarySettings
-
-    return LibrarySettings
 
 
 def _settings_rows(cls: type, flags: dict[str, str] | None) -> list[list[str]]:
@@ -144,11 +141,33 @@ def gen_settings() -> str:
                                     _settings_rows(cls, serve_flags())))
 
 
-def gen_library_settings() -> str:
-    cls = library_settings_class()
-    lines = [f"From `{cls.__module__}.{cls.__name__}`: read from the environment each time they are used, "
-             "by every command, the service, the trainer and `fill_model`.", ""]
-    return "\n".join(lines + _table(["variable", "default", "type", "what it does"], _settings_rows(cls, None)))
+def _library_rows() -> list[list[str]]:
+    """One row per field of the library's settings (a dataclass: its metadata holds the doc and the bounds)."""
+    import dataclasses
+
+    from reshard.settings import LibrarySettings, env_name
+
+    rows = []
+    for f in dataclasses.fields(LibrarySettings):
+        m = f.metadata
+        kind = f"one of {', '.join(f'`{c}`' for c in m['choices'])}" if m["choices"] else _type_name(type(f.default))
+        bounds = ", ".join(f"{sign} {m[k]}" for k, sign in (("ge", ">="), ("gt", ">"), ("le", "<=")) if m[k] is not None)
+        rows.append([f"`{env_name(f.name)}`", "library", _value(f.default), kind + (f" ({bounds})" if bounds else ""),
+                     m["doc"]])
+    return rows
+
+
+def gen_env_vars() -> str:
+    """Every `RESHARD_*` variable reshard reads: the library's settings, then the service's."""
+    serve = settings_class()
+    flags = serve_flags()
+    rows = _library_rows()
+    for row, name in zip(_settings_rows(serve, None), serve.model_fields, strict=True):
+        rows.append([row[0], f"`reshard serve` (`{flags[name]}`)" if name in flags else "`reshard serve`", *row[1:]])
+    lines = ["From `reshard.settings.LibrarySettings` (read when used, by every command, the trainer, `fill_model` "
+             "and the service, through `library_settings()`) and `reshard.service.serve_settings.Settings` (read "
+             "once by `reshard serve`, whose flags override them).", ""]
+    return "\n".join(lines + _table(["variable", "read by", "default", "type", "what it does"], rows))
 
 
 # --- benchmark results ------------------------------------------------------------------------------
@@ -411,7 +430,7 @@ def gen_layouts() -> str:
 GENERATORS: dict[str, Callable[[], str]] = {
     "layouts": gen_layouts,
     "settings": gen_settings,
-    "library-settings": gen_library_settings,
+    "env-vars": gen_env_vars,
     "bench-quick": gen_bench_quick,
     "bench-full": gen_bench_full,
     "bench-targets": gen_bench_targets,

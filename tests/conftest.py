@@ -26,11 +26,16 @@ from pathlib import Path
 from typing import Any
 
 # transformers' import structure (`reshard.importcache`) is kept in a directory of the session's, not in
-# the user's cache, from the first import of reshard on (the next line's); subprocesses inherit it
+# the user's cache; subprocesses inherit it (the `reshard` commands, the launcher, the trainer and the gloo
+# ranks of tests/support/dist.py switch the cache on, as this process does below)
 _IMPORTS = tempfile.TemporaryDirectory(prefix="reshard-imports-")
 os.environ.setdefault("RESHARD_IMPORT_CACHE_DIR", _IMPORTS.name)
 
 import pytest  # noqa: E402
+
+import reshard  # noqa: E402
+
+reshard.enable_import_cache()  # `import reshard` alone does not: tests/test_settings.py checks
 
 from reshard.rules import kinds as loaders  # noqa: E402
 from tests.support.fs import KINDS, Mount, MountError, get_mount  # noqa: E402

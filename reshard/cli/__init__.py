@@ -21,6 +21,7 @@ from collections.abc import Iterator, Sequence
 from importlib import import_module
 from typing import Any
 
+from reshard import enable_import_cache
 from reshard.errors import ReshardError
 
 # reshard's numpy gathers bytes and does no linear algebra: no OpenBLAS thread pool, whose threads spin for
@@ -77,6 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    enable_import_cache()  # a command that imports transformers (empty_tp_model, vLLM) does not read its source tree
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["launch"]:  # the ranks it forks inherit what is imported: not the other commands' modules
         from reshard.cli.launch import main as launch

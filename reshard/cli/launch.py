@@ -8,8 +8,9 @@ A TP worker's start-up is mostly imports: torch, transformers, and transformers'
 modules (which pull torch.distributed.tensor, accelerate, torch._dynamo) take ~4 CPU-seconds, and
 under torchrun every rank pays them, all at once, on the same cores. The launcher imports them once
 and forks the ranks, which inherit the imported modules (copy-on-write memory: shared until written).
-transformers' import reads its whole `models/` source tree; as in any process that imports reshard
-first, what that finds is kept on disk (`reshard.importcache`): 0.6 s less on a 2-core machine.
+transformers' import reads its whole `models/` source tree; the launcher switches the import cache on
+(`reshard.enable_import_cache()`), so what that finds is kept on disk (`reshard.importcache`): 0.6 s
+less on a 2-core machine.
 
 The ranks see torchrun's environment: RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK,
 GROUP_WORLD_SIZE, ROLE_RANK, ROLE_WORLD_SIZE, ROLE_NAME, MASTER_ADDR, MASTER_PORT (a free port of
@@ -63,10 +64,12 @@ import time
 import traceback
 from typing import Any
 
+from reshard import enable_import_cache
 from reshard.errors import ReshardError
+from reshard.settings import env_name
 
 PROG = "reshard launch"
-PREFETCH_ENV = "RESHARD_PREFETCH"  # reshard.io.client.shard_prefetch.ENV, named here so that the launcher imports nothing early
+PREFETCH_ENV = env_name("prefetch")  # reshard.io.client.shard_prefetch.ENV, named here so that the launcher imports nothing early
 MODULES = ("torch", "torch.distributed", "torch.distributed.tensor", "transformers", "transformers.modeling_utils",
            "reshard.fill")
 TRAINER = "reshard.cli.train"
@@ -127,7 +130,7 @@ def prefetch(args: argparse.Namespace) -> dict[int, dict[str, Any]]:
     url = args.prefetch
     if not url or not url.startswith(("http://", "https://")) or "/v1/checkpoints/" not in url:
         return {}
-    from reshard.io.client.shard_client import shard_prefetch as fetch
+    from reshard.io.client import shard_prefetch as fetch
 
     world = args.nnodes * args.nproc_per_node
     return {local: fetch.start(url, args.node_rank * args.nproc_per_node + local, world)
@@ -291,7 +294,8 @@ def launch(args: argparse.Namespace) -> int:
     if args.nproc_per_node < 1 or args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
         raise ReshardError(f"--nproc-per-node {args.nproc_per_node} --nnodes {args.nnodes} --node-rank "
                            f"{args.node_rank}: need at least one rank and node, and 0 <= node rank < nodes")
-    os.environ.setdefault("RESHARD_T0", repr(time.time()))
+    enable_import_cache()  # before the preload imports transformers; the ranks inherit what it imported
+    os.environ.setdefault(env_name("t0"), repr(time.time()))
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # as torchrun does; read by the ranks' thread pools
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")  # torch.cuda.is_available() without initializing CUDA
     for k in [k for k in os.environ if k.startswith("TORCHELASTIC_")]:

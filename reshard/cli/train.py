@@ -19,7 +19,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from reshard import enable_import_cache
 from reshard.errors import ReshardError
+from reshard.settings import library_settings
 from reshard.trainer.build import build_model
 from reshard.trainer.loss import causal_lm_loss
 from reshard.trainer.peers import stop_peers_on_failure
@@ -57,7 +59,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def train(args: argparse.Namespace) -> dict[str, Any]:
-    t0 = float(os.environ.get("RESHARD_T0", T_START))
+    t0 = library_settings().t0 or T_START
     distributed = "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1
     cuda = torch.cuda.is_available()
     if args.threads:
@@ -111,6 +113,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    enable_import_cache()  # before the model build imports transformers
     args = parse_args(argv)
     try:
         with stop_peers_on_failure(prog="reshard.cli.train"):  # a rank that fails stops the others too

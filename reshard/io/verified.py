@@ -29,15 +29,13 @@ import os
 from pathlib import Path
 
 from reshard.cachedir import cache_dir as user_cache
+from reshard.settings import library_settings
 
 Identity = tuple[int, int, int, int, int]
 
 
-DIR_ENV = "RESHARD_VERIFIED_DIR"  # LibrarySettings.verified_dir, read here without pydantic-settings
-
-
 def cache_dir() -> Path:
-    return user_cache("verified", env=DIR_ENV)
+    return user_cache("verified", library_settings().verified_dir)
 
 
 def identity(fd: int) -> Identity:

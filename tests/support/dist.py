@@ -38,7 +38,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import reshard
+
 __all__ = ["run_distributed"]
+
+reshard.enable_import_cache()  # a spawned rank imports this first: its transformers comes through the session's cache
 
 _GRACE_S = 5.0  # how long other ranks may still finish after one has failed
 _PORT_RETRIES = 3

@@ -33,8 +33,9 @@ from typing import Any
 from reshard.io.client.body import FileBody
 from reshard.io.client.wire import checkpoint_url, layout_params
 from reshard.layout.mesh import Layout
+from reshard.settings import env_name, library_settings
 
-ENV = "RESHARD_PREFETCH"
+ENV = env_name("prefetch")
 PIECE = 16 << 20
 # a fetcher's CPU priority: the lowest, so that it takes the cores the launcher's imports (one thread)
 # leave idle and never slows them. At normal priority, on 2 cores at tp=2 over loopback, the fetch
@@ -93,7 +94,7 @@ def _fetch(url: str, rank: int, layout: int | Layout, fd: int, status: int) -> N
 def take(url: str, rank: int, layout: int | Layout) -> FileBody | None:
     """The prefetched shard of `rank` of `layout` from `url` as a body (waits until it is complete and
     verified), or None: none was prefetched for these, or the fetch failed (pull it as usual)."""
-    spec = os.environ.get(ENV)
+    spec = library_settings().prefetch
     if not spec:
         return None
     d = json.loads(spec)

@@ -7,15 +7,15 @@
 from __future__ import annotations
 
 import http.client
-import os
 import re
 import ssl
 from urllib.parse import urlsplit
 
 from reshard.errors import ReshardError
 from reshard.layout.mesh import Layout
+from reshard.settings import env_name, library_settings
 
-TOKEN_ENV = "RESHARD_TOKEN"
+TOKEN_ENV = env_name("token")
 SHA_HEADER = "x-reshard-sha256"
 RETRY_CAP = 10.0  # seconds: the longest wait between two tries of a request to the service (`reshard.io.retry`)
 _CKPT_URL = re.compile(r"^https?://[^/]+(/.*)?/v1/checkpoints/[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -42,7 +42,7 @@ def as_world(layout: int | Layout) -> int:
 
 def auth_headers(token: str | None) -> dict[str, str]:
     """The bearer token (`token`, else `RESHARD_TOKEN`), as a header."""
-    token = token if token is not None else os.environ.get(TOKEN_ENV) or None
+    token = token if token is not None else library_settings().token or None
     return {"Authorization": f"Bearer {token}"} if token else {}
 
 

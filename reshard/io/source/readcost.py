@@ -114,7 +114,7 @@ class Costs:
 
     def price(self, settings: LibrarySettings | None = None) -> Price:
         """The figures now: the ones set (`settings`, else the environment's), else measured, else the defaults."""
-        from reshard.settings import library_settings  # pydantic-settings only where a store is priced
+        from reshard.settings import library_settings
 
         s = settings or library_settings()
         with self._lock:

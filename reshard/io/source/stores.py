@@ -28,14 +28,14 @@ from reshard.errors import (
 )
 from reshard.io.retry import Backoff
 from reshard.io.source.readcost import costs_for
+from reshard.settings import library_settings
 
 URL_RE = re.compile(r"^(s3|gs|hf|https?)://", re.I)
 CHUNK = 1 << 20  # bytes per piece of a streamed body (`Store.get_chunks`)
 SECRET_VARS = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ACCESS_KEY_ID", "GOOGLE_SERVICE_ACCOUNT_KEY",
                "HF_TOKEN")
 _CONFIG_VARS = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_REGION", "AWS_DEFAULT_REGION", "AWS_PROFILE",
-                "AWS_ALLOW_HTTP", "AWS_SKIP_SIGNATURE", *SECRET_VARS, "GOOGLE_APPLICATION_CREDENTIALS", "RESHARD_STORE_RETRIES",
-                "RESHARD_STORE_TIMEOUT")
+                "AWS_ALLOW_HTTP", "AWS_SKIP_SIGNATURE", *SECRET_VARS, "GOOGLE_APPLICATION_CREDENTIALS")
 
 
 def is_url(spec: Any) -> bool:
@@ -317,8 +317,6 @@ def store_backoff(retries: int) -> Backoff:
 def _make_store(root: str, endpoint: str) -> Any:
     from obstore.store import GCSStore, HTTPStore, S3Store
 
-    from reshard.settings import library_settings  # pydantic-settings only where a store is opened
-
     settings = library_settings()
     timeout = settings.store_timeout
     retry = store_backoff(settings.store_retries).obstore_config(retry_timeout=max(timeout, 1) * 2)
@@ -388,7 +386,8 @@ def split_url(url: str) -> tuple[str, str]:
 def store_for(url: str) -> tuple[Store, str]:
     """The shared client for `url`'s store (one per root and configuration) and the key in it."""
     root, key = split_url(url)
-    fingerprint = tuple(os.environ.get(v, "") for v in _CONFIG_VARS)
+    settings = library_settings()
+    fingerprint = (*(os.environ.get(v, "") for v in _CONFIG_VARS), str(settings.store_retries), str(settings.store_timeout))
     with _LOCK:
         store = _STORES.get((root, fingerprint))
         if store is None:

@@ -11,13 +11,13 @@ Rules files (`--rules`, `reshard-rules.*`) come before all of these, in `reshard
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any
 
 from reshard.errors import ManifestError
 from reshard.rules.tp_plans import mla as _mla  # noqa: F401  (registers the optional MLA-by-heads config rules)
 from reshard.rules.tp_plans.entry import PlanEntry, load_table, table_entry, table_version
 from reshard.rules.tp_plans.live import live_entry, transformers_version
+from reshard.settings import env_name, library_settings
 
 __all__ = ["PlanEntry", "resolve_plan", "entry_for", "table_entry", "live_entry", "load_table"]
 
@@ -25,13 +25,12 @@ __all__ = ["PlanEntry", "resolve_plan", "entry_for", "table_entry", "live_entry"
 # depends on the transformers installed beside reshard (an older one, pinned by vLLM, may plan MoE experts
 # otherwise); "live" always reads the installed transformers; "auto" reads it when its version differs
 # from the table's (the same version's plans are the table, byte for byte, as tests/rules/tp_plans checks)
-SOURCE_ENV = "RESHARD_PLAN_SOURCE"
+SOURCE_ENV = env_name("plan_source")
 
 
 def _plan_source() -> str:
-    """LibrarySettings.plan_source, read here without pydantic-settings (its import alone costs a command
-    0.1 s of start-up); `entry_for` checks the value."""
-    return os.environ.get(SOURCE_ENV, "table")
+    """LibrarySettings.plan_source; `entry_for` checks the value."""
+    return library_settings().plan_source
 
 
 def entry_for(model_type: str) -> tuple[PlanEntry | None, str]:

@@ -30,7 +30,7 @@ _ATTN = re.compile(r"(?P<pre>.*\.self_attn)\.(?P<leaf>[a-z_]+)\.(weight|bias)")
 @register_config_rules
 def mla_head_rules(config: dict[str, Any], names: list[str]) -> list[Rule]:
     if not config.get("kv_lora_rank"):
-        return []  # not MLA: the settings (and pydantic-settings, 0.1 s of a command's start-up) are not read
+        return []  # not MLA: the settings are not read
     from reshard.settings import library_settings
 
     if library_settings().mla != "heads":

@@ -24,8 +24,9 @@ from typing import Any
 from reshard.io.owners import is_alive, start_time
 from reshard.io.source.mapped_files import MAPS
 from reshard.service.serve_settings import Settings
+from reshard.settings import env_name, library_settings
 
-SUPERVISOR_ENV = "RESHARD_SUPERVISOR_PID"
+SUPERVISOR_ENV = env_name("supervisor_pid")
 try:
     _LIBC = ctypes.CDLL(None)
 except OSError:  # no C library to load: nothing to trim
@@ -37,13 +38,13 @@ _PR_SET_PDEATHSIG = 1
 
 def die_with_supervisor() -> None:
     """Ask the kernel to SIGKILL this worker when its supervisor exits (Linux); a no-op elsewhere."""
-    supervisor = os.environ.get(SUPERVISOR_ENV)
+    supervisor = library_settings().supervisor_pid
     if not supervisor:
         return
     with contextlib.suppress(OSError, AttributeError):
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != int(supervisor):  # it died before the request above: follow it now
+    if os.getppid() != supervisor:  # it died before the request above: follow it now
         os.kill(os.getpid(), signal.SIGKILL)
 
 
