@@ -15,8 +15,8 @@ import pytest
 
 import reshard
 from reshard.cli import main
-from reshard.io import verified
 from reshard.format.rank_file import rank_file_name
+from reshard.io import verified
 from tests.support.live import live_server, make_ckpt
 
 pytestmark = pytest.mark.servers
