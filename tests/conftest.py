@@ -38,7 +38,8 @@ import reshard  # noqa: E402
 reshard.enable_import_cache()  # `import reshard` alone does not: tests/test_settings.py checks
 
 from reshard.rules import kinds as loaders  # noqa: E402
-from tests.support.fs import KINDS, Mount, MountError, get_mount  # noqa: E402
+from reshard.testing.synth import llama_config, make_checkpoint  # noqa: E402
+from tests.support.fs import KINDS, TP, Mount, MountError, get_mount  # noqa: E402
 from tests.support.live import BIG, SMALL_CKPTS, CuttingProxy, make_ckpt  # noqa: E402
 
 TIERS = ("pure", "multiproc", "servers", "e2e")
@@ -118,6 +119,30 @@ def _registry_unchanged() -> Iterator[None]:
     before = dict(loaders._REGISTRY)
     yield
     assert loaders._REGISTRY == before, "a test left the loader registry changed"
+
+
+@pytest.fixture(scope="session")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """~6.3 MB float32 Llama-shaped checkpoint: tp=2 rank files of ~3.2 MB each, each starting with its
+    1 MiB half of lm_head (so a rank file's data follows its header in a kernel copy, not one buffer)."""
+    config = llama_config(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
+                          num_hidden_layers=1, vocab_size=2048)
+    return make_checkpoint(tmp_path_factory.mktemp("src") / "ckpt", config, seed=3)
+
+
+@pytest.fixture(scope="session")
+def reference(ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Uninterrupted outputs on the ordinary disk: `write` (tp=2), `merge` (of those shards)."""
+    from reshard.io.sinks.hf_checkpoint import merge
+    from reshard.io.sinks.write import write_shards
+    from reshard.io.source.opener import open_source
+    from reshard.plan.planner import make_plan
+
+    root = tmp_path_factory.mktemp("reference")
+    src, manifest = open_source(ckpt)
+    write_shards(src, make_plan(src, manifest, TP), root / "write", progress=False)
+    merge(root / "write", root / "merge", progress=False)
+    return {"write": root / "write", "merge": root / "merge"}
 
 
 # --- small file systems (tests/io, tests/trainer) ------------------------------------------------------

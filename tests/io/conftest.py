@@ -1,8 +1,7 @@
 """Fixtures of the io tests: a real moto S3 server and a static Range file server on 127.0.0.1
 (`reshard.testing.local_servers`, both counting the body bytes they serve), a small checkpoint on local
-disk and the same files in the bucket and under the file server's root; a ~6 MB checkpoint for the
-output-fault tests and what an uninterrupted run of each command writes (the references every resumed
-output must equal byte for byte). The small file systems (`mounts`, `fs`) are the root conftest's."""
+disk and the same files in the bucket and under the file server's root. The output-fault fixtures (`ckpt`,
+`reference`, `mounts`, `fs`) are the root conftest's."""
 
 from __future__ import annotations
 
@@ -15,8 +14,6 @@ import boto3
 import pytest
 
 from reshard.testing.local_servers import StoreServer, http_server, s3_server
-from reshard.testing.synth import llama_config, make_checkpoint
-from tests.support.fs import TP
 from tests.support.live import make_ckpt
 
 BUCKET = "ckpts"
@@ -71,27 +68,3 @@ def _no_proxy(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-
-
-@pytest.fixture(scope="session")
-def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """~6.3 MB float32 Llama-shaped checkpoint: tp=2 rank files of ~3.2 MB each, each starting with its
-    1 MiB half of lm_head (so a rank file's data follows its header in a kernel copy, not one buffer)."""
-    config = llama_config(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
-                          num_hidden_layers=1, vocab_size=2048)
-    return make_checkpoint(tmp_path_factory.mktemp("src") / "ckpt", config, seed=3)
-
-
-@pytest.fixture(scope="session")
-def reference(ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Uninterrupted outputs on the ordinary disk: `write` (tp=2), `merge` (of those shards)."""
-    from reshard.io.sinks.hf_checkpoint import merge
-    from reshard.io.sinks.write import write_shards
-    from reshard.io.source.opener import open_source
-    from reshard.plan.planner import make_plan
-
-    root = tmp_path_factory.mktemp("reference")
-    src, manifest = open_source(ckpt)
-    write_shards(src, make_plan(src, manifest, TP), root / "write", progress=False)
-    merge(root / "write", root / "merge", progress=False)
-    return {"write": root / "write", "merge": root / "merge"}
