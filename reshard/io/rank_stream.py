@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Protocol
 from reshard.io.source.cached_object import BytesAt, CachedObject
 from reshard.io.source.readers import Reader, RemoteReader, open_reader
 from reshard.io.source.stores import is_url
+from reshard.plan.planned import piece_index
 from reshard.plan.reads import SCRATCH, Interleave, Segment, piece_reads, runs_array
 from reshard.plan.types import RankPlan
 
@@ -62,22 +63,8 @@ class RankStream:
         self.chunk_size = chunk_size
         self._readers: dict[str, Reader] = {}
         self._scratch: bytearray | None = None
-        # flat index of pieces: (start offset in the output, piece); a piece is bytes or a Segment
-        # (or Interleave). A grouped plan (reshard.plan.planner) has it built once per plan, as an array of
-        # starts and a sequence that makes each piece when read; both index like the lists below.
-        index = getattr(plan.tensors, "piece_index", None)
-        if index is not None:
-            starts, pieces = index(plan.header)
-        else:
-            starts, pieces = [0], [plan.header]
-            pos = len(plan.header)
-            for t in plan.tensors:
-                for seg in t.segments:
-                    if seg.nbytes:
-                        starts.append(pos)
-                        pieces.append(seg)
-                        pos += seg.nbytes
-            assert pos == self.size
+        # where each piece starts in the output, and the pieces (bytes, Segment or Interleave)
+        starts, pieces = piece_index(plan)
         self._starts, self._pieces = starts, pieces
         self._pinned: deque[tuple[int, CachedObject, tuple[int, int]]] = deque()  # (end, blocks, source) not sent yet
         self._prefetch: Prefetcher | None = None

@@ -17,7 +17,7 @@ from typing import Any, TypeVar, overload
 
 from reshard.format.selection import Selection
 from reshard.plan.reads import Extent, Interleave, Segment
-from reshard.plan.types import OutTensor
+from reshard.plan.types import OutTensor, RankPlan
 from reshard.rules.manifest import Rule
 
 T = TypeVar("T")
@@ -216,3 +216,24 @@ class Pieces(LazySequence[bytes | Extent]):
         make, owners = self._tensors._piece, self._owners
         for j in range(self._n - 1):
             yield make(owners, j)
+
+
+def piece_index(plan: RankPlan) -> tuple[Sequence[int], Sequence[bytes | Segment | Interleave]]:
+    """Where each piece of `plan`'s rank file starts and the pieces: the header, then every non-empty
+    extent of every tensor, in order (`RankStream` reads by it). A planner's plan (`PlannedTensors`) has
+    it built once per plan, each piece made when read; any other plan's is the plain loop below, which
+    the planner's equals."""
+    if isinstance(plan.tensors, PlannedTensors):
+        return plan.tensors.piece_index(plan.header)
+    starts: list[int] = [0]
+    pieces: list[bytes | Segment | Interleave] = [plan.header]
+    pos = len(plan.header)
+    for t in plan.tensors:
+        for seg in t.segments:
+            if seg.nbytes:
+                starts.append(pos)
+                pieces.append(seg)
+                pos += seg.nbytes
+    if pos != plan.size:
+        raise AssertionError(f"rank {plan.rank}: pieces end at byte {pos}, the plan's size is {plan.size}")
+    return starts, pieces
