@@ -121,6 +121,9 @@ def _registry_unchanged() -> Iterator[None]:
     assert loaders._REGISTRY == before, "a test left the loader registry changed"
 
 
+# --- output faults (tests/io, tests/trainer): a checkpoint, uninterrupted outputs, small file systems ----
+
+
 @pytest.fixture(scope="session")
 def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """~6.3 MB float32 Llama-shaped checkpoint: tp=2 rank files of ~3.2 MB each, each starting with its
@@ -144,8 +147,6 @@ def reference(ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str,
     merge(root / "write", root / "merge", progress=False)
     return {"write": root / "write", "merge": root / "merge"}
 
-
-# --- small file systems (tests/io, tests/trainer) ------------------------------------------------------
 
 MOUNT_MB = 24
 
