@@ -26,6 +26,11 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 
+class Retryable(Exception):
+    """A failure worth another try that is no exception of its own: the server answered 5xx, or the
+    connection closed before the body ended (each loop raises it and names it in `retry_on`)."""
+
+
 @dataclass(frozen=True)
 class Backoff:
     """`retries` tries after the first failure, waiting `first` seconds, doubling each time, at most `cap`."""

@@ -39,7 +39,7 @@ from reshard.io.client.wire import (
     layout_params,
 )
 from reshard.io.pread import pread_full
-from reshard.io.retry import Backoff, Retries
+from reshard.io.retry import Backoff, Retries, Retryable
 from reshard.layout.mesh import Layout
 
 if TYPE_CHECKING:
@@ -106,11 +106,7 @@ class FileBody:
             os.close(fd)
 
 
-class _Retry(Exception):
-    """A failure worth another try: the connection broke, timed out, or the server answered 5xx."""
-
-
-_RETRY_ON = (_Retry, OSError, http.client.HTTPException)
+_RETRY_ON = (Retryable, OSError, http.client.HTTPException)
 
 
 class ShardBody:
@@ -150,18 +146,18 @@ class ShardBody:
         resp = conn.getresponse()
         self._resp = resp
         if resp.status >= 500:
-            raise _Retry(f"HTTP {resp.status}")
+            raise Retryable(f"HTTP {resp.status}")
         if resp.status >= 400:
             self._disconnect()
             self.client().head(self.rank, self.tp)  # raises the error the server names, as ShardClient does
-            raise _Retry(f"HTTP {resp.status}")
+            raise Retryable(f"HTTP {resp.status}")
         self._check(resp)
         return 0
 
     def _check(self, resp: http.client.HTTPResponse) -> None:
         etag, length = resp.getheader("etag") or "", int(resp.getheader("content-length") or -1)
         if length < 0:  # the service always sends one: the head was cut short
-            raise _Retry(f"HTTP {resp.status} without a Content-Length")
+            raise Retryable(f"HTTP {resp.status} without a Content-Length")
         if self.pos == 0:
             if resp.status != 200:
                 raise ReshardError(f"{self.name}: unexpected HTTP {resp.status} to a request without Range")
@@ -190,7 +186,7 @@ class ShardBody:
         assert self._resp is not None
         n = self._resp.readinto(view)
         if not n:
-            raise _Retry(f"connection closed at byte {self.pos} of {self.size}")
+            raise Retryable(f"connection closed at byte {self.pos} of {self.size}")
         self._tries.progressed()
         return n
 

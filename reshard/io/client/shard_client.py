@@ -51,18 +51,14 @@ from reshard.io.client.wire import checkpoint_url as as_checkpoint_url
 from reshard.io.hashing import BackgroundHash, file_sha256
 from reshard.io.outfs import check_space, fsync_dir, made_dir, output_errors
 from reshard.io.progress import Progress
-from reshard.io.retry import Backoff, Retries
+from reshard.io.retry import Backoff, Retries, Retryable
 from reshard.layout.mesh import Layout
 
 _CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/(\d+)$")
 _RETRY_STATUS = frozenset({500, 502, 503, 504})
 
 
-class _Retryable(Exception):
-    """A failure worth another try (connection broken, 5xx)."""
-
-
-_RETRY_ON = (httpx.TransportError, _Retryable)
+_RETRY_ON = (httpx.TransportError, Retryable)
 
 
 @dataclass(frozen=True)
@@ -295,7 +291,7 @@ class ShardClient:
                         pos += len(piece)
                         tries.progressed()
                     if pos < size:
-                        raise _Retryable(f"connection closed at byte {pos} of {size}")
+                        raise Retryable(f"connection closed at byte {pos} of {size}")
             except _RETRY_ON as e:
                 tries.failed(e)
         if size is None or pos != size:
@@ -336,13 +332,13 @@ class ShardClient:
 
     @staticmethod
     def _check(r: httpx.Response) -> None:
-        """Raise the library error the server named for a 4xx; `_Retryable` for a 5xx."""
+        """Raise the library error the server named for a 4xx; `Retryable` for a 5xx."""
         if r.status_code < 400:
             return
         if not r.is_closed:
             r.read()
         if r.status_code in _RETRY_STATUS:
-            raise _Retryable(f"HTTP {r.status_code}")
+            raise Retryable(f"HTTP {r.status_code}")
         try:
             body = r.json()
             name, detail = str(body.get("error")), str(body.get("detail"))
@@ -383,4 +379,3 @@ def _read_meta(path: Path) -> Any:
         return json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-

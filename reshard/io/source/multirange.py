@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from reshard.errors import CheckpointError, SourceChangedError, StoreError, StoreUnavailableError
-from reshard.io.retry import Retries
+from reshard.io.retry import Retries, Retryable
 from reshard.io.source.stores import count_fetched, store_backoff
 from reshard.settings import library_settings
 
@@ -72,14 +72,14 @@ class MultiRangeClient:
 
         tries = Retries(store_backoff(self.retries), give_up=lambda e: StoreUnavailableError(
             f"{self.root}/{key}: {len(ranges)} ranges failed after {self.retries} retries ({e})"))
-        return tries.call(once, retry_on=(httpx.TransportError, _Retry))
+        return tries.call(once, retry_on=(httpx.TransportError, Retryable))
 
     def _get(self, key: str, ranges: list[tuple[int, int]], version: str) -> list[tuple[int, memoryview]]:
         url = f"{self.root}/{key}"
         spec = ",".join(f"{a}-{b - 1}" for a, b in ranges)
         with self._http.stream("GET", url, headers={"Range": f"bytes={spec}", "Accept-Encoding": "identity"}) as r:
             if r.status_code >= 500:
-                raise _Retry(f"HTTP {r.status_code}")
+                raise Retryable(f"HTTP {r.status_code}")
             if r.status_code == 404:
                 raise CheckpointError(f"{url}: no such object")
             several = len(ranges) > 1
@@ -124,8 +124,6 @@ class MultiRangeClient:
         return r.status_code == 206 and "multipart/byteranges" in r.headers.get("content-type", "")
 
 
-class _Retry(Exception):
-    pass
 
 
 def _parts(raw: bytes, headers: httpx.Headers, ranges: list[tuple[int, int]]) -> list[tuple[int, memoryview]]:
