@@ -25,7 +25,7 @@ from reshard.errors import ReshardError
 from reshard.settings import library_settings
 from reshard.trainer.build import build_model
 from reshard.trainer.cursor import local_share
-from reshard.trainer.groups import DataTensorGroups, all_gather_json, make_groups
+from reshard.trainer.groups import DataTensorGroups, all_gather_json, make_groups, mirrored_new_groups
 from reshard.trainer.loop import LoopOptions, RunState, StepRecord, train_steps
 from reshard.trainer.peers import stop_peers_on_failure
 from reshard.trainer.save import save_rank_shard
@@ -90,7 +90,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     rank = dist.get_rank() if dist.is_initialized() else 0
     torch.manual_seed(args.seed)
     dtype = None if args.dtype == "keep" else getattr(torch, args.dtype)
-    model = build_model(str(args.shards), device=device, dtype=dtype, group=groups.tp_group)
+    with mirrored_new_groups(groups):  # groups made inside one replica's build are made by all
+        model = build_model(str(args.shards), device=device, dtype=dtype, group=groups.tp_group)
     t_loaded = time.time()
     tokens = load_tokens(args.data or default_data(), model.config.vocab_size)
     optimizer = make_optimizer(model, lr=args.lr)
