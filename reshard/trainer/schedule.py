@@ -32,8 +32,8 @@ def lr_factor(step: int, *, steps: int, warmup: int = 0, lr: float, min_lr: floa
 
 def check_schedule(*, steps: int, warmup: int, lr: float, min_lr: float | None) -> None:
     """`ReshardError` (one line) for a schedule that cannot be run."""
-    if warmup < 0 or steps < 1:
-        raise ReshardError(f"--warmup {warmup} / --steps {steps}: need warmup >= 0 and steps >= 1")
+    if warmup < 0 or steps < 0:
+        raise ReshardError(f"--warmup {warmup} / --steps {steps}: need warmup >= 0 and steps >= 0")
     if lr <= 0 or (min_lr is not None and not 0 <= min_lr <= lr):
         raise ReshardError(f"--lr {lr} / --min-lr {min_lr}: need lr > 0 and 0 <= min-lr <= lr")
 
