@@ -12,6 +12,7 @@ exchanged once (as JSON) when the clipper is made.
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 import torch
@@ -70,13 +71,14 @@ def element_weights(own: Select, shape: list[int], selects: list[Select]) -> flo
     return float(weight.flatten()[0]) if bool((weight == weight.flatten()[0]).all()) else weight
 
 
-def _owner(params: list[nn.Parameter], view: torch.Tensor) -> nn.Parameter | None:
-    """The parameter whose memory `view` lies in (by address: mapped parameters may share a storage)."""
-    start = view.data_ptr()
-    for p in params:
-        if p.data_ptr() <= start < p.data_ptr() + p.numel() * p.element_size():
-            return p
-    return None
+def _owner(params: list[nn.Parameter], starts: list[int], view: torch.Tensor) -> nn.Parameter | None:
+    """The parameter whose memory `view` lies in (by address: mapped parameters may share a storage);
+    `params` sorted by address, `starts` their addresses."""
+    i = bisect.bisect_right(starts, view.data_ptr()) - 1
+    if i < 0:
+        return None
+    p = params[i]
+    return p if view.data_ptr() < p.data_ptr() + p.numel() * p.element_size() else None
 
 
 class GlobalGradNorm:
@@ -89,10 +91,12 @@ class GlobalGradNorm:
         device = next(model.parameters()).device
         selects = all_gather_json({n: s["select"] for n, s in specs.items()}, group, device=device)
         self.params = list(model.parameters())
+        by_address = sorted((p for p in self.params if p.numel()), key=lambda p: p.data_ptr())
+        starts = [p.data_ptr() for p in by_address]
         self.pieces: list[_Piece] = []
         seen: set[tuple[int, int, tuple[int, ...]]] = set()
         for name, view in shard_targets(model, specs).items():
-            p = _owner(self.params, view) if view.numel() else None
+            p = _owner(by_address, starts, view) if view.numel() else None
             key = (id(p), view.data_ptr(), tuple(view.shape))
             if p is None or key in seen:
                 continue  # a buffer, or a tied parameter already counted
