@@ -1,8 +1,9 @@
-"""Train the bundled model with tensor parallelism: `torchrun --nproc-per-node 2 -m reshard.cli.train ...`.
+"""Train the bundled model with tensor and data parallelism: `torchrun --nproc-per-node 2 -m reshard.cli.train ...`.
 
-tp = world size; gloo on CPU, NCCL when CUDA is present. Every rank builds its model on the meta
-device and fills it from its own rank shard (a directory or the service's URL); the data is
-byte-level tokens of a text file, the same batches on every rank, deterministic given the seed.
+world = dp x tp (`--dp`, tp innermost); gloo on CPU, NCCL when CUDA is present. Every rank builds its
+model on the meta device and fills it from its tp rank's shard (a directory or the service's URL); the
+data is byte-level tokens of a text file, sample i a pure function of (seed, i), the global batch
+split across the dp replicas (`reshard.trainer.loop`).
 """
 
 from __future__ import annotations
@@ -23,9 +24,12 @@ from reshard import enable_import_cache
 from reshard.errors import ReshardError
 from reshard.settings import library_settings
 from reshard.trainer.build import build_model
-from reshard.trainer.loss import causal_lm_loss
+from reshard.trainer.cursor import local_share
+from reshard.trainer.groups import DataTensorGroups, all_gather_json, make_groups, mirrored_new_groups
+from reshard.trainer.loop import LoopOptions, RunState, StepRecord, train_steps
 from reshard.trainer.peers import stop_peers_on_failure
 from reshard.trainer.save import save_rank_shard
+from reshard.trainer.schedule import check_schedule, make_optimizer, make_scheduler
 
 T_START = time.time()
 
@@ -45,11 +49,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m reshard.cli.train", description=__doc__.split("\n\n")[0])
     p.add_argument("--shards", required=True, help="directory of rank shards, or the service's checkpoint URL")
     p.add_argument("--data", type=Path, default=None, help="text file (byte-level tokens); default: bundled text")
-    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--steps", type=int, default=20, help="the run's total optimizer steps")
     p.add_argument("--save", type=Path, help="write this rank's parameters as rank shards here")
-    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--lr", type=float, default=3e-4, help="peak learning rate")
+    p.add_argument("--warmup", type=int, default=0, help="steps of linear warmup from 0 to --lr")
+    p.add_argument("--min-lr", type=float, default=None, help="cosine decay to this lr at the last step (default: --lr)")
+    p.add_argument("--max-norm", type=float, default=None,
+                   help="clip gradients to this global norm (the unsharded model's; default: no clipping)")
+    p.add_argument("--dp", type=int, default=1, help="data-parallel replicas; tp = world size // dp")
     p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--batch-size", type=int, default=8, help="global batch, split evenly across the --dp replicas")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=["float32", "bfloat16", "keep"], default="float32",
                    help="parameter dtype for training (keep: as stored in the shards)")
@@ -58,52 +67,58 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def train(args: argparse.Namespace) -> dict[str, Any]:
-    t0 = library_settings().t0 or T_START
-    distributed = "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1
+def _setup(args: argparse.Namespace) -> tuple[DataTensorGroups, torch.device]:
+    """Join the process group (under torchrun) and make the dp x tp groups; the device."""
     cuda = torch.cuda.is_available()
     if args.threads:
         torch.set_num_threads(args.threads)
-    if distributed and not dist.is_initialized():
+    if not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", 1)) > 1:
         dist.init_process_group("nccl" if cuda else "gloo")
-    rank = dist.get_rank() if distributed else 0
+    world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
+    local_share(args.batch_size, args.dp, 0)  # refuse a global batch the replicas cannot share, before any work
+    groups = make_groups(args.dp, world=world, rank=rank)
     device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}") if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
+    return groups, device
+
+
+def train(args: argparse.Namespace) -> dict[str, Any]:
+    t0 = library_settings().t0 or T_START
+    check_schedule(steps=args.steps, warmup=args.warmup, lr=args.lr, min_lr=args.min_lr)
+    groups, device = _setup(args)
+    rank = dist.get_rank() if dist.is_initialized() else 0
     torch.manual_seed(args.seed)
     dtype = None if args.dtype == "keep" else getattr(torch, args.dtype)
-    model = build_model(str(args.shards), device=device, dtype=dtype)
+    with mirrored_new_groups(groups):  # groups made inside one replica's build are made by all
+        model = build_model(str(args.shards), device=device, dtype=dtype, group=groups.tp_group)
     t_loaded = time.time()
     tokens = load_tokens(args.data or default_data(), model.config.vocab_size)
-    if len(tokens) <= args.seq_len + 1:
-        raise ReshardError(f"{args.data}: {len(tokens)} tokens, fewer than seq-len {args.seq_len} + 2")
-    gen = torch.Generator().manual_seed(args.seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
-    losses: list[float] = []
-    t_first = None
-    for step in range(args.steps):
-        starts = torch.randint(0, len(tokens) - args.seq_len - 1, (args.batch_size,), generator=gen)
-        window = torch.stack([tokens[s : s + args.seq_len + 1] for s in starts.tolist()]).to(device)
-        loss = causal_lm_loss(model, window[:, :-1], window[:, 1:])
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-        if t_first is None:
-            t_first = time.time()
+    optimizer = make_optimizer(model, lr=args.lr)
+    scheduler = make_scheduler(optimizer, steps=args.steps, warmup=args.warmup, min_lr=args.min_lr)
+    state = RunState(seed=args.seed)
+    first_step, t_first = state.step + 1, []
+
+    def report(rec: StepRecord) -> None:
+        t_first.append(time.time())
         if rank == 0:
-            extra = f"  (time to first step {t_first - t0:.2f} s)" if step == 0 else ""
-            print(f"step {step + 1:>4}/{args.steps}  loss {losses[-1]:.4f}{extra}", flush=True)
-    if args.save:
+            extra = f"  (time to first step {t_first[0] - t0:.2f} s)" if len(t_first) == 1 else ""
+            norm = f"  grad norm {rec.grad_norm:.4f}" if rec.grad_norm is not None else ""
+            print(f"step {rec.step:>4}/{args.steps}  loss {rec.loss:.4f}  lr {rec.lr:.3g}{norm}{extra}", flush=True)
+
+    records = train_steps(model, optimizer, scheduler, state, tokens, groups=groups, options=LoopOptions(
+        steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, max_norm=args.max_norm, on_step=report))
+    if args.save and groups.dp_rank == 0:  # the replicas hold the same parameters: one writes them
         save_rank_shard(model, args.save, config=model.hf_config)
-    received = model.rank_header.total
-    per_rank = [None] * dist.get_world_size() if distributed else [received]
-    if distributed:
-        dist.all_gather_object(per_rank, received)
+    per_rank = all_gather_json(model.rank_header.total, None, device=device)
+    if dist.is_initialized():
         dist.barrier()
     summary = {
-        "tp": len(per_rank), "steps": args.steps, "losses": losses,
-        "time_to_first_step_s": (t_first - t0) if t_first else None, "load_s": t_loaded - t0,
+        "tp": groups.tp, "layout": groups.layout, "steps": args.steps, "first_step": first_step,
+        "losses": [r.loss for r in records], "lrs": [r.lr for r in records],
+        "grad_norms": [r.grad_norm for r in records] if args.max_norm is not None else None,
+        "final_lr": records[-1].lr if records else None, "samples": state.samples,
+        "time_to_first_step_s": (t_first[0] - t0) if t_first else None, "load_s": t_loaded - t0,
         "shard_bytes_per_rank": per_rank, "saved": str(args.save) if args.save else None,
     }
     if rank == 0 and args.metrics:

@@ -133,7 +133,8 @@ def test_train_help() -> None:
     proc = subprocess.run([PYTHON, "-m", "reshard.cli.train", "--help"], cwd=REPO, capture_output=True,
                           text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
-    for option in ("--shards", "--steps", "--save", "--metrics", "--seq-len", "--dtype"):
+    for option in ("--shards", "--steps", "--save", "--metrics", "--seq-len", "--dtype", "--warmup", "--min-lr",
+                   "--max-norm", "--dp"):
         assert option in proc.stdout
 
 
