@@ -25,7 +25,9 @@ from reshard.settings import library_settings
 from reshard.trainer.build import build_model
 from reshard.trainer.loss import causal_lm_loss
 from reshard.trainer.peers import stop_peers_on_failure
-from reshard.trainer.save import save_rank_shard
+from reshard.trainer.resume import restore_training, training_state, weights_sha256
+from reshard.trainer.snapshot import prune_checkpoints, save_checkpoint, step_dir
+from reshard.trainer.state_json import STATE_NAME
 
 T_START = time.time()
 
@@ -43,10 +45,15 @@ def load_tokens(path: Path, vocab_size: int) -> torch.Tensor:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m reshard.cli.train", description=__doc__.split("\n\n")[0])
-    p.add_argument("--shards", required=True, help="directory of rank shards, or the service's checkpoint URL")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--shards", help="directory of rank shards, or the service's checkpoint URL")
+    src.add_argument("--resume", help="continue from a training checkpoint (DIR or DIR/step-N; weights only: "
+                                      "fresh optimizer); --steps stays the run's total")
     p.add_argument("--data", type=Path, default=None, help="text file (byte-level tokens); default: bundled text")
     p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--save", type=Path, help="write this rank's parameters as rank shards here")
+    p.add_argument("--save", type=Path, help="write the training state here at the end (a checkpoint)")
+    p.add_argument("--save-every", type=int, default=0, metavar="N", help="also checkpoint to SAVE/step-N every N steps")
+    p.add_argument("--keep", type=int, default=0, metavar="K", help="keep only the last K SAVE/step-N (0: all)")
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--batch-size", type=int, default=8)
@@ -55,7 +62,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="parameter dtype for training (keep: as stored in the shards)")
     p.add_argument("--metrics", type=Path, help="rank 0 writes a JSON summary (losses, timings, bytes) here")
     p.add_argument("--threads", type=int, default=0, help="intra-op threads per rank (0: torch default)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.save_every and not args.save:
+        p.error("--save-every needs --save DIR")
+    return args
 
 
 def train(args: argparse.Namespace) -> dict[str, Any]:
@@ -72,16 +82,23 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         torch.cuda.set_device(device)
     torch.manual_seed(args.seed)
     dtype = None if args.dtype == "keep" else getattr(torch, args.dtype)
-    model = build_model(str(args.shards), device=device, dtype=dtype)
+    source = str(args.resume or args.shards)
+    tp = dist.get_world_size() if distributed else 1
+    state = training_state(source, tp=tp) if args.resume else None
+    model = build_model(source, device=device, dtype=dtype, sha256=weights_sha256(state, rank, tp) if state else None)
     t_loaded = time.time()
     tokens = load_tokens(args.data or default_data(), model.config.vocab_size)
     if len(tokens) <= args.seq_len + 1:
         raise ReshardError(f"{args.data}: {len(tokens)} tokens, fewer than seq-len {args.seq_len} + 2")
     gen = torch.Generator().manual_seed(args.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    start = restore_training(state, source, model, opt, generators={"data": gen})["step"] if state else 0
+    if args.resume and rank == 0:
+        print(f"resumed from {source} at step {start}" if state else
+              f"{source}: weights only (no {STATE_NAME}): starting with a fresh optimizer at step 0", flush=True)
     losses: list[float] = []
     t_first = None
-    for step in range(args.steps):
+    for step in range(start, args.steps):
         starts = torch.randint(0, len(tokens) - args.seq_len - 1, (args.batch_size,), generator=gen)
         window = torch.stack([tokens[s : s + args.seq_len + 1] for s in starts.tolist()]).to(device)
         loss = causal_lm_loss(model, window[:, :-1], window[:, 1:])
@@ -94,15 +111,22 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         if rank == 0:
             extra = f"  (time to first step {t_first - t0:.2f} s)" if step == 0 else ""
             print(f"step {step + 1:>4}/{args.steps}  loss {losses[-1]:.4f}{extra}", flush=True)
+        if args.save_every and (step + 1) % args.save_every == 0:
+            save_checkpoint(step_dir(args.save, step + 1), model, opt, step=step + 1, generators={"data": gen},
+                            extra={"seed": args.seed})
+            if rank == 0 and args.keep:
+                prune_checkpoints(args.save, keep=args.keep)
     if args.save:
-        save_rank_shard(model, args.save, config=model.hf_config)
+        save_checkpoint(args.save, model, opt, step=max(start, args.steps), generators={"data": gen},
+                        extra={"seed": args.seed})
     received = model.rank_header.total
     per_rank = [None] * dist.get_world_size() if distributed else [received]
     if distributed:
         dist.all_gather_object(per_rank, received)
         dist.barrier()
     summary = {
-        "tp": len(per_rank), "steps": args.steps, "losses": losses,
+        "tp": len(per_rank), "steps": args.steps, "first_step": start + 1, "losses": losses,
+        "resumed_from": source if args.resume else None,
         "time_to_first_step_s": (t_first - t0) if t_first else None, "load_s": t_loaded - t0,
         "shard_bytes_per_rank": per_rank, "saved": str(args.save) if args.save else None,
     }
