@@ -25,9 +25,8 @@ from reshard.settings import library_settings
 from reshard.trainer.build import build_model
 from reshard.trainer.loss import causal_lm_loss
 from reshard.trainer.peers import stop_peers_on_failure
-from reshard.trainer.resume import restore_training, training_state, weights_sha256
-from reshard.trainer.snapshot import prune_checkpoints, save_checkpoint, step_dir
-from reshard.trainer.state_json import STATE_NAME
+from reshard.trainer.resume import start_step, training_state, weights_sha256
+from reshard.trainer.snapshot import every_n_steps, save_checkpoint
 
 T_START = time.time()
 
@@ -82,8 +81,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         torch.cuda.set_device(device)
     torch.manual_seed(args.seed)
     dtype = None if args.dtype == "keep" else getattr(torch, args.dtype)
-    source = str(args.resume or args.shards)
-    tp = dist.get_world_size() if distributed else 1
+    source, tp = str(args.resume or args.shards), dist.get_world_size() if distributed else 1
     state = training_state(source, tp=tp) if args.resume else None
     model = build_model(source, device=device, dtype=dtype, sha256=weights_sha256(state, rank, tp) if state else None)
     t_loaded = time.time()
@@ -92,10 +90,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         raise ReshardError(f"{args.data}: {len(tokens)} tokens, fewer than seq-len {args.seq_len} + 2")
     gen = torch.Generator().manual_seed(args.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
-    start = restore_training(state, source, model, opt, generators={"data": gen})["step"] if state else 0
-    if args.resume and rank == 0:
-        print(f"resumed from {source} at step {start}" if state else
-              f"{source}: weights only (no {STATE_NAME}): starting with a fresh optimizer at step 0", flush=True)
+    start = start_step(state, source if args.resume else None, model, opt, generators={"data": gen}, say=rank == 0)
     losses: list[float] = []
     t_first = None
     for step in range(start, args.steps):
@@ -111,11 +106,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         if rank == 0:
             extra = f"  (time to first step {t_first - t0:.2f} s)" if step == 0 else ""
             print(f"step {step + 1:>4}/{args.steps}  loss {losses[-1]:.4f}{extra}", flush=True)
-        if args.save_every and (step + 1) % args.save_every == 0:
-            save_checkpoint(step_dir(args.save, step + 1), model, opt, step=step + 1, generators={"data": gen},
-                            extra={"seed": args.seed})
-            if rank == 0 and args.keep:
-                prune_checkpoints(args.save, keep=args.keep)
+        every_n_steps(args.save, every=args.save_every, keep=args.keep, step=step + 1, model=model, optimizer=opt,
+                      generators={"data": gen}, extra={"seed": args.seed})
     if args.save:
         save_checkpoint(args.save, model, opt, step=max(start, args.steps), generators={"data": gen},
                         extra={"seed": args.seed})

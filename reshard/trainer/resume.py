@@ -23,9 +23,9 @@ from reshard.io.client.body import file_body
 from reshard.io.source.stores import is_url
 from reshard.layout.mesh import Layout
 from reshard.trainer.snapshot import moment_targets
-from reshard.trainer.state_json import decode_rng, read_state
+from reshard.trainer.state_json import STATE_NAME, decode_rng, read_state
 
-__all__ = ["restore_training", "training_state", "weights_sha256"]
+__all__ = ["restore_training", "start_step", "training_state", "weights_sha256"]
 
 
 def training_state(source: str | Path, *, tp: int) -> dict[str, Any] | None:
@@ -79,6 +79,20 @@ def restore_training(
     if "cuda" in mine and torch.cuda.is_available():
         torch.cuda.set_rng_state(decode_rng(mine["cuda"]))
     return {"step": step, "extra": dict(state["extra"])}
+
+
+def start_step(
+    state: Mapping[str, Any] | None, source: str | Path | None, model: nn.Module, optimizer: torch.optim.Optimizer,
+    *, scheduler: Any | None = None, generators: Mapping[str, torch.Generator] | None = None, say: bool = True,
+) -> int:
+    """The step a run starts after: the checkpoint's (restored by `restore_training`) or 0. `source` is
+    what `--resume` named (None without one); with `say`, one line tells what was resumed."""
+    start = restore_training(state, source, model, optimizer, scheduler=scheduler,
+                             generators=generators)["step"] if state is not None and source is not None else 0
+    if say and source is not None:
+        print(f"resumed from {source} at step {start}" if state is not None else
+              f"{source}: weights only (no {STATE_NAME}): starting with a fresh optimizer at step 0", flush=True)
+    return start
 
 
 def _scalar_dtype() -> torch.dtype:

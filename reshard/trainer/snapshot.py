@@ -9,9 +9,10 @@ A checkpoint directory holds
     trainer_state.json                          the rest, as JSON (`reshard.trainer.state_json`)
 
 Each rank writes only its own share. Everything goes into a temp directory beside the target
-(`.NAME.partial`); rank 0 writes `trainer_state.json` last, with every file's sha256, then publishes
-the directory with one rename. A crash mid-save leaves the previous checkpoint as it was and no
-directory under the checkpoint's name.
+(`.NAME.partial-TOKEN`); rank 0 writes `trainer_state.json` last, with every file's sha256, then
+publishes the directory with one rename. A crash mid-save leaves the previous checkpoint as it was and
+no directory under the checkpoint's name. (Ranks whose `--save` is a directory of their own, on a disk
+of their own, publish theirs the same way, one rank per directory.)
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import contextlib
 import os
 import re
 import shutil
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -42,9 +44,10 @@ from reshard.trainer.names import shard_targets
 from reshard.trainer.save import RETRY, write_rank_file
 from reshard.trainer.state_json import FORMAT, STATE_NAME, encode_rng, rng_snapshot
 
-__all__ = ["moment_targets", "prune_checkpoints", "save_checkpoint", "step_dir"]
+__all__ = ["every_n_steps", "moment_targets", "prune_checkpoints", "save_checkpoint", "step_dir"]
 
 _STEP_DIR = re.compile(r"step-(\d+)")
+_CLAIM = ".publishing"
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -99,39 +102,66 @@ def save_checkpoint(
     `extra` is the loop's own JSON state. An existing checkpoint at `out_dir` is replaced."""
     rank, world = _world(group)
     final = Path(out_dir)
-    tmp = final.parent / f".{final.name}.partial"
-    if rank == 0:
-        prepare_dir(final.parent)
-        with output_errors(tmp, retry=RETRY):
-            shutil.rmtree(tmp, ignore_errors=True)  # what a crashed save left
-            (tmp / OPTIMIZER_DIR).mkdir(parents=True)
-    _barrier(group)
+    tmp = final.parent / f".{final.name}.partial-{_gather(time.time_ns(), group)[0]}"  # rank 0's token
     header = model.rank_header
     place, fname = RankPlace(header.tp, header.rank), rank_file_name(header.rank, header.tp)
-    files = {fname: write_rank_file(tmp / fname, place, header.tensors, shard_targets(model, header.tensors))}
-    moments = {optimizer_tensor_name(n, slot): t for slot in OPTIMIZER_SLOTS
-               for n, t in moment_targets(model, optimizer, slot).items()}
-    specs = {optimizer_tensor_name(n, slot): header.tensors[n] for slot in OPTIMIZER_SLOTS for n in header.tensors}
-    files[f"{OPTIMIZER_DIR}/{fname}"] = write_rank_file(tmp / OPTIMIZER_DIR / fname, place, specs, moments)
+    try:
+        with output_errors(final, retry=RETRY):
+            prepare_dir(final.parent)
+            for stale in final.parent.glob(f".{final.name}.partial-*"):  # what a crashed save left
+                if stale != tmp:
+                    shutil.rmtree(stale, ignore_errors=True)
+            (tmp / OPTIMIZER_DIR).mkdir(parents=True, exist_ok=True)
+        files = {fname: write_rank_file(tmp / fname, place, header.tensors, shard_targets(model, header.tensors))}
+        moments = {optimizer_tensor_name(n, slot): t for slot in OPTIMIZER_SLOTS
+                   for n, t in moment_targets(model, optimizer, slot).items()}
+        specs = {optimizer_tensor_name(n, slot): header.tensors[n] for slot in OPTIMIZER_SLOTS for n in header.tensors}
+        files[f"{OPTIMIZER_DIR}/{fname}"] = write_rank_file(tmp / OPTIMIZER_DIR / fname, place, specs, moments)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     gathered = _gather({"files": files, "rng": rng_snapshot()}, group)
+    state = {
+        "format": FORMAT, "step": step, "layout": {"tp": world},
+        "files": {k: v for g in gathered for k, v in sorted(g["files"].items())},
+        "optimizer": {"type": type(optimizer).__name__, "step": step},
+        "scheduler": scheduler.state_dict() if scheduler is not None else None,
+        "generators": {k: encode_rng(g.get_state()) for k, g in (generators or {}).items()},
+        "rng": [g["rng"] for g in gathered], "extra": dict(extra or {}),
+    }
     if rank == 0:
-        state = {
-            "format": FORMAT, "step": step, "layout": {"tp": world},
-            "files": {k: v for g in gathered for k, v in sorted(g["files"].items())},
-            "optimizer": {"type": type(optimizer).__name__, "step": step},
-            "scheduler": scheduler.state_dict() if scheduler is not None else None,
-            "generators": {k: encode_rng(g.get_state()) for k, g in (generators or {}).items()},
-            "rng": [g["rng"] for g in gathered], "extra": dict(extra or {}),
-        }
-        with output_errors(tmp, retry=RETRY):
-            config = getattr(model, "hf_config", None)
-            if config is not None:
-                write_json_atomic(tmp / CONFIG_NAME, config)
-                write_json_atomic(tmp / OPTIMIZER_DIR / CONFIG_NAME, config)
-            write_json_atomic(tmp / STATE_NAME, state)  # last: what makes the directory a checkpoint
-            _publish(tmp, final)
+        _finish(tmp, final, state, getattr(model, "hf_config", None))
+    _barrier(group)
+    if rank != 0 and tmp.exists():  # not the directory rank 0 published: a disk of this rank's own
+        with contextlib.suppress(FileExistsError, FileNotFoundError):
+            os.mkdir(tmp / _CLAIM)  # one rank per such directory publishes it
+            _finish(tmp, final, state, getattr(model, "hf_config", None))
     _barrier(group)
     return final
+
+
+def _finish(tmp: Path, final: Path, state: dict[str, Any], config: dict[str, Any] | None) -> None:
+    """The JSON files (the trainer state last: what makes the directory a checkpoint), then publish."""
+    with output_errors(final, retry=RETRY):
+        if config is not None:
+            write_json_atomic(tmp / CONFIG_NAME, config)
+            write_json_atomic(tmp / OPTIMIZER_DIR / CONFIG_NAME, config)
+        write_json_atomic(tmp / STATE_NAME, state)
+        with contextlib.suppress(FileNotFoundError):
+            os.rmdir(tmp / _CLAIM)
+        _publish(tmp, final)
+
+
+def every_n_steps(root: str | Path | None, *, every: int, keep: int, step: int, model: nn.Module,
+                  optimizer: torch.optim.Optimizer, group: ProcessGroup | None = None, **state: Any) -> Path | None:
+    """`--save-every`: after `step`, when `every` divides it, the checkpoint `ROOT/step-N` (`state`: the
+    keywords of `save_checkpoint`), keeping the last `keep` (0: all); the directory written, or None."""
+    if root is None or not every or step % every:
+        return None
+    out = save_checkpoint(step_dir(Path(root), step), model, optimizer, step=step, group=group, **state)
+    if keep and _world(group)[0] == 0:
+        prune_checkpoints(root, keep=keep)
+    return out
 
 
 def _publish(tmp: Path, final: Path) -> None:
