@@ -42,7 +42,7 @@ from reshard.format.rank_file import (
 from reshard.io.outfs import fsync_dir, output_errors, prepare_dir, write_json_atomic
 from reshard.trainer.names import shard_targets
 from reshard.trainer.save import RETRY, write_rank_file
-from reshard.trainer.state_json import FORMAT, STATE_NAME, encode_rng, rng_snapshot
+from reshard.trainer.state_json import STATE_NAME, encode_state, rng_snapshot
 
 __all__ = ["every_n_steps", "moment_targets", "prune_checkpoints", "save_checkpoint", "step_dir"]
 
@@ -121,14 +121,10 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     gathered = _gather({"files": files, "rng": rng_snapshot()}, group)
-    state = {
-        "format": FORMAT, "step": step, "layout": {"tp": world},
-        "files": {k: v for g in gathered for k, v in sorted(g["files"].items())},
-        "optimizer": {"type": type(optimizer).__name__, "step": step},
-        "scheduler": scheduler.state_dict() if scheduler is not None else None,
-        "generators": {k: encode_rng(g.get_state()) for k, g in (generators or {}).items()},
-        "rng": [g["rng"] for g in gathered], "extra": dict(extra or {}),
-    }
+    state = encode_state(step=step, tp=world, files={k: v for g in gathered for k, v in g["files"].items()},
+                         optimizer=type(optimizer).__name__, generators=generators or {}, extra=extra or {},
+                         scheduler=scheduler.state_dict() if scheduler is not None else None,
+                         rng=[g["rng"] for g in gathered])
     if rank == 0:
         _finish(tmp, final, state, getattr(model, "hf_config", None))
     _barrier(group)

@@ -1,6 +1,6 @@
 """`trainer_state.json`, the non-tensor half of a training checkpoint, in one place: encode, decode, check.
 
-    format      "reshard.trainer_state/1" (`FORMAT`)
+    version     "reshard.trainer_state/1" (`FORMAT`)
     step        optimizer steps taken (the run continues at step + 1)
     layout      {"tp": T}: the layout the checkpoint was saved at
     files       relative path of every rank file of the checkpoint -> its sha256 (the parameters' files,
@@ -28,7 +28,8 @@ import torch
 
 from reshard.errors import CheckpointError
 
-__all__ = ["FORMAT", "STATE_NAME", "check_state", "decode_rng", "encode_rng", "read_state", "rng_snapshot"]
+__all__ = ["FORMAT", "STATE_NAME", "check_state", "decode_rng", "encode_rng", "encode_state", "read_state",
+           "rng_snapshot"]
 
 FORMAT = "reshard.trainer_state/1"
 STATE_NAME = "trainer_state.json"
@@ -53,11 +54,31 @@ def rng_snapshot() -> dict[str, str]:
     return out
 
 
+def encode_state(
+    *, step: int, tp: int, files: Mapping[str, str], optimizer: str, scheduler: Mapping[str, Any] | None,
+    generators: Mapping[str, torch.Generator], rng: list[dict[str, str]], extra: Mapping[str, Any],
+) -> dict[str, Any]:
+    """The trainer state (the module docstring) as JSON values, checked."""
+    state = {
+        "version": FORMAT, "step": step, "layout": {"tp": tp}, "files": dict(sorted(files.items())),
+        "optimizer": {"type": optimizer, "step": step},
+        "scheduler": dict(scheduler) if scheduler is not None else None,
+        "generators": {k: encode_rng(g.get_state()) for k, g in generators.items()},
+        "rng": list(rng), "extra": dict(extra),
+    }
+    try:
+        json.dumps(state)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"trainer state at step {step}: not JSON ({e}); keep the scheduler's and the "
+                              "loop's state to JSON values") from None
+    return check_state(state, "trainer state")
+
+
 def check_state(state: Mapping[str, Any], where: str) -> dict[str, Any]:
     """`state` checked against the format (`CheckpointError` naming `where` and what is wrong)."""
-    if not isinstance(state, dict) or state.get("format") != FORMAT:
-        got = state.get("format") if isinstance(state, dict) else type(state).__name__
-        raise CheckpointError(f"{where}: not a reshard trainer state (format {got!r}, expected {FORMAT!r})")
+    if not isinstance(state, dict) or state.get("version") != FORMAT:
+        got = state.get("version") if isinstance(state, dict) else type(state).__name__
+        raise CheckpointError(f"{where}: not a reshard trainer state (version {got!r}, expected {FORMAT!r})")
     missing = [k for k in _KEYS if k not in state]
     if missing:
         raise CheckpointError(f"{where}: trainer state lacks {missing}; save the checkpoint again")
