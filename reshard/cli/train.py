@@ -25,7 +25,7 @@ from reshard.settings import library_settings
 from reshard.trainer.build import build_model
 from reshard.trainer.loss import causal_lm_loss
 from reshard.trainer.peers import stop_peers_on_failure
-from reshard.trainer.resume import start_step, training_state, weights_sha256
+from reshard.trainer.resume import build_options, start_step, training_state
 from reshard.trainer.snapshot import every_n_steps, save_checkpoint
 
 T_START = time.time()
@@ -83,14 +83,14 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     dtype = None if args.dtype == "keep" else getattr(torch, args.dtype)
     source, tp = str(args.resume or args.shards), dist.get_world_size() if distributed else 1
     state = training_state(source, tp=tp) if args.resume else None
-    model = build_model(source, device=device, dtype=dtype, sha256=weights_sha256(state, rank, tp) if state else None)
+    model = build_model(source, device=device, dtype=dtype, **build_options(state, rank, tp))
     t_loaded = time.time()
     tokens = load_tokens(args.data or default_data(), model.config.vocab_size)
     if len(tokens) <= args.seq_len + 1:
         raise ReshardError(f"{args.data}: {len(tokens)} tokens, fewer than seq-len {args.seq_len} + 2")
     gen = torch.Generator().manual_seed(args.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
-    start = start_step(state, source if args.resume else None, model, opt, generators={"data": gen}, say=rank == 0)
+    start = start_step(state, args.resume, model, opt, generators={"data": gen}, seed=args.seed, say=rank == 0)
     losses: list[float] = []
     t_first = None
     for step in range(start, args.steps):

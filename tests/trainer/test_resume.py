@@ -193,10 +193,16 @@ def _killed_job(rank: int, world: int, shards: str, root: str) -> None:
     train(parse_args(["--shards", shards, "--steps", "3", "--save", f"{root}/k", "--save-every", "1", *COMMON]))
 
 
-@pytest.mark.multiproc
-def test_tp2_resume_is_exact_and_matches_tp1(shards: Path, tp1_runs: Path) -> None:
+@pytest.fixture(scope="module")
+def tp2_runs(shards: Path) -> Path:
     root = shards / "runs2"
     run_distributed(_tp2_job, 2, str(shards / "tp2"), str(root), timeout=120)
+    return root
+
+
+@pytest.mark.multiproc
+def test_tp2_resume_is_exact_and_matches_tp1(tp2_runs: Path, tp1_runs: Path) -> None:
+    root = tp2_runs
     a, b = _metrics(root / "a.json"), _metrics(root / "b.json")
     assert (a["tp"], b["tp"], b["first_step"]) == (2, 2, 4)
     assert b["losses"] == a["losses"][3:]  # bit for bit
@@ -212,6 +218,46 @@ def test_tp2_resume_is_exact_and_matches_tp1(shards: Path, tp1_runs: Path) -> No
     assert sorted(m2) == sorted(m1)
     for k in m1:
         torch.testing.assert_close(m2[k], m1[k], atol=1e-6, rtol=1e-3, msg=k)
+
+
+def _tp4_job(rank: int, world: int, root: str) -> None:
+    from reshard.cli.train import parse_args, train
+
+    os.environ["WORLD_SIZE"] = str(world)
+    train(parse_args(["--resume", f"{root}/a/step-3", "--steps", str(STEPS), "--metrics", f"{root}/tp4.json", *COMMON]))
+
+
+@pytest.mark.multiproc
+def test_resume_at_another_tp_agrees(tp2_runs: Path) -> None:
+    """The tp=2 checkpoint of step 3 resumed at tp=1 (in process) and tp=4 (gloo), each rank cutting its
+    slices of the parameters and moments as it reads them: steps 4-6 agree with the tp=2 run."""
+    root = tp2_runs
+    rc, out, err = _train("--resume", str(root / "a" / "step-3"), "--steps", str(STEPS),
+                          "--metrics", str(root / "tp1.json"))
+    assert rc == 0, err
+    assert "(saved at tp=2, cut to tp=1 as read)" in out
+    run_distributed(_tp4_job, 4, str(root), timeout=120)
+    ref = _metrics(root / "a.json")["losses"][3:]
+    for tp in (1, 4):
+        m = _metrics(root / f"tp{tp}.json")
+        assert (m["tp"], m["first_step"]) == (tp, 4)
+        diff = max(abs(x - y) for x, y in zip(m["losses"], ref, strict=True))
+        print(f"resumed at tp={tp} vs tp=2: max |loss diff| {diff:.3g}")
+        assert diff < 1e-5
+
+
+@pytest.mark.multiproc
+def test_cut_as_read_equals_reshard_write(tp2_runs: Path, tmp_path: Path) -> None:
+    """What a resume at another tp reads is, byte for byte, the rank file `reshard write` makes of it."""
+    from reshard.fill.open import open_relaid_stream
+
+    ckpt = tp2_runs / "a" / "step-3"
+    for sub in (ckpt, ckpt / OPTIMIZER_DIR):
+        for tp in (1, 4):
+            out = write_shards(sub, tp, tmp_path / f"{sub.name}-{tp}")
+            for rank in range(tp):
+                _, chunks, _ = open_relaid_stream(sub, rank, tp)
+                assert b"".join(bytes(c) for c in chunks) == (out / rank_file_name(rank, tp)).read_bytes(), (sub, rank)
 
 
 @pytest.mark.multiproc
