@@ -28,8 +28,9 @@ from reshard.trainer.cursor import local_share
 from reshard.trainer.groups import DataTensorGroups, all_gather_json, make_groups, mirrored_new_groups
 from reshard.trainer.loop import LoopOptions, RunState, StepRecord, train_steps
 from reshard.trainer.peers import stop_peers_on_failure
-from reshard.trainer.save import save_rank_shard
+from reshard.trainer.resume import build_options, start_step, training_state
 from reshard.trainer.schedule import check_schedule, make_optimizer, make_scheduler
+from reshard.trainer.snapshot import every_n_steps, save_checkpoint
 
 T_START = time.time()
 
@@ -47,10 +48,15 @@ def load_tokens(path: Path, vocab_size: int) -> torch.Tensor:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m reshard.cli.train", description=__doc__.split("\n\n")[0])
-    p.add_argument("--shards", required=True, help="directory of rank shards, or the service's checkpoint URL")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--shards", help="directory of rank shards, or the service's checkpoint URL")
+    src.add_argument("--resume", help="continue from a training checkpoint (DIR or DIR/step-N; weights only: "
+                                      "fresh optimizer); --steps stays the run's total")
     p.add_argument("--data", type=Path, default=None, help="text file (byte-level tokens); default: bundled text")
     p.add_argument("--steps", type=int, default=20, help="the run's total optimizer steps")
-    p.add_argument("--save", type=Path, help="write this rank's parameters as rank shards here")
+    p.add_argument("--save", type=Path, help="write the training state here at the end (a checkpoint)")
+    p.add_argument("--save-every", type=int, default=0, metavar="N", help="also checkpoint to SAVE/step-N every N steps")
+    p.add_argument("--keep", type=int, default=0, metavar="K", help="keep only the last K SAVE/step-N (0: all)")
     p.add_argument("--lr", type=float, default=3e-4, help="peak learning rate")
     p.add_argument("--warmup", type=int, default=0, help="steps of linear warmup from 0 to --lr")
     p.add_argument("--min-lr", type=float, default=None, help="cosine decay to this lr at the last step (default: --lr)")
@@ -64,7 +70,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="parameter dtype for training (keep: as stored in the shards)")
     p.add_argument("--metrics", type=Path, help="rank 0 writes a JSON summary (losses, timings, bytes) here")
     p.add_argument("--threads", type=int, default=0, help="intra-op threads per rank (0: torch default)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.save_every and not args.save:
+        p.error("--save-every needs --save DIR")
+    return args
 
 
 def _setup(args: argparse.Namespace) -> tuple[DataTensorGroups, torch.device]:
@@ -90,35 +99,62 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     rank = dist.get_rank() if dist.is_initialized() else 0
     torch.manual_seed(args.seed)
     dtype = None if args.dtype == "keep" else getattr(torch, args.dtype)
+    source = str(args.resume or args.shards)
+    saved = training_state(source, tp=groups.tp) if args.resume else None
     with mirrored_new_groups(groups):  # groups made inside one replica's build are made by all
-        model = build_model(str(args.shards), device=device, dtype=dtype, group=groups.tp_group)
+        model = build_model(source, device=device, dtype=dtype, group=groups.tp_group,
+                            **build_options(saved, groups.tp_rank, groups.tp))
     t_loaded = time.time()
     tokens = load_tokens(args.data or default_data(), model.config.vocab_size)
     optimizer = make_optimizer(model, lr=args.lr)
     scheduler = make_scheduler(optimizer, steps=args.steps, warmup=args.warmup, min_lr=args.min_lr)
     state = RunState(seed=args.seed)
+    state.step, extra = start_step(saved, args.resume, model, optimizer, scheduler=scheduler, seed=args.seed,
+                                   say=rank == 0)
+    state.samples, state.seed = int(extra.get("samples", 0)), int(extra.get("seed", args.seed))
     first_step, t_first = state.step + 1, []
+    saving = args.save is not None and groups.dp_rank == 0  # the replicas hold the same state: the first saves it
 
-    def report(rec: StepRecord) -> None:
+    def checkpoint(out: Path, step: int, *, every: int = 0, keep: int = 0) -> None:
+        kw: dict[str, Any] = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "group": groups.tp_group,
+                              "extra": {"seed": state.seed, "samples": state.samples, "dp": groups.dp}}
+        if every:
+            every_n_steps(out, every=every, keep=keep, step=step, **kw)
+        else:
+            save_checkpoint(out, step=step, **kw)
+
+    def on_step(rec: StepRecord) -> None:
         t_first.append(time.time())
         if rank == 0:
             extra = f"  (time to first step {t_first[0] - t0:.2f} s)" if len(t_first) == 1 else ""
             norm = f"  grad norm {rec.grad_norm:.4f}" if rec.grad_norm is not None else ""
             print(f"step {rec.step:>4}/{args.steps}  loss {rec.loss:.4f}  lr {rec.lr:.3g}{norm}{extra}", flush=True)
+        if saving and args.save_every:
+            checkpoint(args.save, rec.step, every=args.save_every, keep=args.keep)
 
     records = train_steps(model, optimizer, scheduler, state, tokens, groups=groups, options=LoopOptions(
-        steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, max_norm=args.max_norm, on_step=report))
-    if args.save and groups.dp_rank == 0:  # the replicas hold the same parameters: one writes them
-        save_rank_shard(model, args.save, config=model.hf_config)
+        steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, max_norm=args.max_norm, on_step=on_step))
+    if saving:
+        checkpoint(args.save, state.step)
+    return _summary(args, model, groups, records, state, first_step=first_step, source=source,
+                    times=(t0, t_loaded, t_first[0] if t_first else None), device=device, rank=rank)
+
+
+def _summary(args: argparse.Namespace, model: torch.nn.Module, groups: DataTensorGroups, records: list[StepRecord],
+             state: RunState, *, first_step: int, source: str, times: tuple[float, float, float | None],
+             device: torch.device, rank: int) -> dict[str, Any]:
+    """What this run did (`--metrics`): written by rank 0, returned by every rank."""
+    t0, t_loaded, t_first = times
     per_rank = all_gather_json(model.rank_header.total, None, device=device)
     if dist.is_initialized():
         dist.barrier()
     summary = {
         "tp": groups.tp, "layout": groups.layout, "steps": args.steps, "first_step": first_step,
+        "resumed_from": source if args.resume else None,
         "losses": [r.loss for r in records], "lrs": [r.lr for r in records],
         "grad_norms": [r.grad_norm for r in records] if args.max_norm is not None else None,
         "final_lr": records[-1].lr if records else None, "samples": state.samples,
-        "time_to_first_step_s": (t_first[0] - t0) if t_first else None, "load_s": t_loaded - t0,
+        "time_to_first_step_s": (t_first - t0) if t_first else None, "load_s": t_loaded - t0,
         "shard_bytes_per_rank": per_rank, "saved": str(args.save) if args.save else None,
     }
     if rank == 0 and args.metrics:

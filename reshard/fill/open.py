@@ -63,6 +63,30 @@ def open_rank_stream(
     return config, file_body(path, sha256=sha), sha, str(path)
 
 
+def open_relaid_stream(
+    directory: str | Path, rank: int, layout: Layout | int,
+) -> tuple[dict[str, Any] | None, Iterator[memoryview], str]:
+    """(config, byte chunks, a name for errors) of rank `rank` of `layout` cut on the fly from a directory
+    of rank files of any other layout: the bytes `reshard write DIRECTORY ... -o OUT` would put in that
+    rank's file, planned from the files' self-description; only this rank's slices are read."""
+    from reshard.io.rank_stream import RankStream
+    from reshard.io.source.opener import open_source
+    from reshard.plan.planner import make_plan
+
+    layout = layout if isinstance(layout, Layout) else Layout(tp=layout)
+    source, manifest = open_source(directory)
+    plan = make_plan(source, manifest, layout, ranks=[rank])
+    root = Path(directory)
+    config = json.loads((root / CONFIG_NAME).read_text()) if (root / CONFIG_NAME).is_file() \
+        else _no_config(f"{root}: no config.json beside the rank files", True)
+    return config, _closing(RankStream(plan.ranks[0])), f"{root} (rank {rank} of {layout.describe()}, cut as read)"
+
+
+def _closing(stream: Any) -> Iterator[memoryview]:
+    with stream:
+        yield from stream.chunks()
+
+
 def _no_config(what: str, need_config: bool) -> None:
     if need_config:
         raise CheckpointError(f"{what}; the trainer needs one")

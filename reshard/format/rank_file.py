@@ -11,6 +11,11 @@ size, 5 digits each) whose `__metadata__` describes it (every value a string, as
     tensors  per tensor, JSON with sorted keys: {"kind", "shape" (global), "select" (per dim, the
              [begin, end) intervals of the global tensor it holds), "options" (when the rule has any)}
 
+A training checkpoint keeps an optimizer's per-parameter tensors (AdamW's moments) in a second set of
+rank files of this format, in `OPTIMIZER_DIR` beside the parameters' files, each named by
+`optimizer_tensor_name(parameter, slot)` and described exactly like its parameter (same kind, shape and
+selection), so every tool that reads rank files cuts a moment by its parameter's rule.
+
 `encode_metadata` writes it, `decode_metadata` reads and validates it (the layout as plain values:
 `reshard.layout.placement.describe_layout` makes its `Layout`). `HeaderEncoder` is the planner's fast
 path to the same header bytes for many tensors; a new field is added here once.
@@ -28,7 +33,8 @@ from typing import Any
 from reshard.errors import CheckpointError
 
 __all__ = ["FORMAT", "HeaderEncoder", "RankMeta", "RankPlace", "decode_metadata", "describe_tensor", "encode_metadata",
-           "header_prefix", "is_rank_file_name", "parse_rank_file_name", "rank_file_name", "tensor_json"]
+           "OPTIMIZER_DIR", "OPTIMIZER_SLOTS", "header_prefix", "is_rank_file_name", "optimizer_tensor_name",
+           "parse_optimizer_tensor_name", "parse_rank_file_name", "rank_file_name", "tensor_json"]
 
 FORMAT = "reshard.rank/1"
 _NAME = re.compile(r"rank-(\d{5})-of-(\d{5})\.safetensors")
@@ -50,6 +56,25 @@ def parse_rank_file_name(name: str) -> tuple[int, int] | None:
 
 def is_rank_file_name(name: str) -> bool:
     return _NAME.fullmatch(name) is not None
+
+
+# --- optimizer tensors ---------------------------------------------------------------------------
+
+OPTIMIZER_DIR = "optimizer"
+OPTIMIZER_SLOTS = ("exp_avg", "exp_avg_sq")
+
+
+def optimizer_tensor_name(param: str, slot: str) -> str:
+    """The name of `param`'s optimizer tensor `slot` (one of `OPTIMIZER_SLOTS`): `PARAM.SLOT`."""
+    if slot not in OPTIMIZER_SLOTS:
+        raise ValueError(f"optimizer slot {slot!r}: not one of {OPTIMIZER_SLOTS}")
+    return f"{param}.{slot}"
+
+
+def parse_optimizer_tensor_name(name: str) -> tuple[str, str] | None:
+    """(parameter, slot) of an optimizer tensor's name; None for any other name."""
+    param, _, slot = name.rpartition(".")
+    return (param, slot) if param and slot in OPTIMIZER_SLOTS else None
 
 
 # --- __metadata__ --------------------------------------------------------------------------------

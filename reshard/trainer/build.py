@@ -15,7 +15,7 @@ from torch.distributed import ProcessGroup
 from reshard.errors import CheckpointError
 from reshard.fill.empty_model import hf_config, init_buffers
 from reshard.fill.into_params import RankHeader, fill_parameters, read_header_from
-from reshard.fill.open import open_rank_stream
+from reshard.fill.open import open_rank_stream, open_relaid_stream
 from reshard.format.torch_side import TORCH_DTYPES
 from reshard.layout.mesh import Layout
 from reshard.rules.quant.dequant import Dequantizer
@@ -38,15 +38,22 @@ def stored_dtype(header: RankHeader) -> torch.dtype:
 def build_model(
     source: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
     group: ProcessGroup | None = None, token: str | None = None, attn_implementation: str | None = None,
+    sha256: str | None = None, relayout: bool = False,
 ) -> torch.nn.Module:
     """This rank's TP model (tp = the group's world size), filled from its rank shard of `source`.
 
     The model is transformers' own class for config.json's `model_type` (`AutoModelForCausalLM`),
     built on the meta device, its layers swapped by the kinds the shard describes, materialized with
     `to_empty` and filled straight from the shard's bytes; `dtype` defaults to the stored one.
+    `sha256`: the rank file's recorded hash (a training checkpoint's), checked as it is read. With
+    `relayout`, `source` is a directory of rank files of another tp, cut for this rank as it is read.
     """
     tp, rank = tp_world_size(group), tp_rank(group)
-    config, chunks, sha, name = open_rank_stream(source, rank, tp, token=token)
+    if relayout:
+        (config, chunks, name), sha = open_relaid_stream(source, rank, tp), None
+    else:
+        config, chunks, sha, name = open_rank_stream(source, rank, tp, token=token)
+        sha = sha256 or sha
     header, leftover = read_header_from(chunks, name)
     if not header.layout.tp_only:
         raise CheckpointError(f"{name}: is a shard of {header.layout.describe()}; the bundled trainer runs tensor "

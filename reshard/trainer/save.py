@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import math
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
+import torch
 from torch import nn
 
 from reshard.fill.into_params import RankHeader, byte_view
@@ -29,23 +33,9 @@ def save_rank_shard(model: nn.Module, out_dir: str | Path, *, config: dict | Non
     """
     header: RankHeader = model.rank_header
     tensors = {name: t.detach() for name, t in shard_targets(model, header.tensors).items()}
-    order = sorted(tensors, key=lambda n: data_order(n, DTYPE_NAMES[tensors[n].dtype]))
-    entries, pos = [], 0
-    for name in order:
-        t = tensors[name]
-        n = math.prod(t.shape) * DTYPE_SIZES[DTYPE_NAMES[t.dtype]]
-        entries.append((name, DTYPE_NAMES[t.dtype], tuple(t.shape), pos, pos + n))
-        pos += n
-    out = prepare_dir(out_dir)
-    path = out / rank_file_name(header.rank, header.tp)
-    head = encode_header(encode_metadata(RankPlace(header.tp, header.rank), header.tensors), entries)
-    check_space(out, len(head) + pos, fix=f"free some space there or save elsewhere, then {RETRY}")
-    with output_errors(path, retry=RETRY), atomic_file(path) as f:
-        f.write(head)
-        for name in order:
-            t = tensors[name].to("cpu").contiguous()
-            if t.numel():
-                f.write(byte_view(t))
+    path = prepare_dir(out_dir) / rank_file_name(header.rank, header.tp)
+    write_rank_file(path, RankPlace(header.tp, header.rank), header.tensors, tensors)
+    out = path.parent
     if header.rank == 0:
         with output_errors(out, retry=RETRY):
             with contextlib.suppress(FileNotFoundError):
@@ -55,4 +45,28 @@ def save_rank_shard(model: nn.Module, out_dir: str | Path, *, config: dict | Non
     return path
 
 
-__all__ = ["save_rank_shard"]
+def write_rank_file(path: Path, place: RankPlace, specs: Mapping[str, Mapping[str, Any]],
+                    tensors: Mapping[str, torch.Tensor]) -> str:
+    """Write `tensors` (described by `specs`, one entry each) as the rank file `path`, atomically and one
+    tensor at a time; returns the file's sha256 (hex), computed as it is written."""
+    order = sorted(tensors, key=lambda n: data_order(n, DTYPE_NAMES[tensors[n].dtype]))
+    entries, pos = [], 0
+    for name in order:
+        t = tensors[name]
+        n = math.prod(t.shape) * DTYPE_SIZES[DTYPE_NAMES[t.dtype]]
+        entries.append((name, DTYPE_NAMES[t.dtype], tuple(t.shape), pos, pos + n))
+        pos += n
+    head = encode_header(encode_metadata(place, {n: specs[n] for n in tensors}), entries)
+    check_space(path.parent, len(head) + pos, fix=f"free some space there or save elsewhere, then {RETRY}")
+    sha = hashlib.sha256(head)
+    with output_errors(path, retry=RETRY), atomic_file(path) as f:
+        f.write(head)
+        for name in order:
+            t = tensors[name].detach().to("cpu").contiguous()
+            if t.numel():
+                f.write(view := byte_view(t))
+                sha.update(view)
+    return sha.hexdigest()
+
+
+__all__ = ["save_rank_shard", "write_rank_file"]

@@ -1,0 +1,139 @@
+"""Resume from a training checkpoint (`reshard.trainer.snapshot`): the optimizer's moments and step, the
+LR scheduler, the generators and the loop's own state, for the model `build_model` filled from it.
+
+At the layout the checkpoint was saved at the continuation is exact: every tensor is read back bit for
+bit, each rank's default generator gets its own saved state, the global generators (the data order)
+theirs. At another tp every rank reads its slices of the parameters and moments cut as they are read
+(`reshard.fill.open.open_relaid_stream`: the bytes `reshard write CKPT --tp Q` would write), the global
+generators are restored and each rank's default generator is reseeded from (seed, step, rank). A directory without `trainer_state.json` (an HF checkpoint, plain rank shards) holds weights
+only: the run starts with a fresh optimizer at step 0.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from reshard.errors import CheckpointError
+from reshard.fill.into_params import fill_parameters, read_header_from
+from reshard.fill.open import open_relaid_stream
+from reshard.format.rank_file import OPTIMIZER_DIR, OPTIMIZER_SLOTS, optimizer_tensor_name, rank_file_name
+from reshard.io.client.body import file_body
+from reshard.io.source.stores import is_url
+from reshard.layout.mesh import Layout
+from reshard.trainer.snapshot import moment_targets
+from reshard.trainer.state_json import STATE_NAME, decode_rng, read_state
+
+__all__ = ["build_options", "reseed", "restore_training", "same_layout", "start_step", "training_state", "weights_sha256"]
+
+
+def training_state(source: str | Path, *, tp: int) -> dict[str, Any] | None:
+    """The checked trainer state of checkpoint `source` (its files all present); None for weights only."""
+    if is_url(source) or not Path(source).is_dir():
+        return None
+    return read_state(Path(source))
+
+
+def same_layout(state: Mapping[str, Any], tp: int) -> bool:
+    """Whether the checkpoint was saved at tp=`tp` (then it is read file by file, verified and exact)."""
+    return state["layout"]["tp"] == tp
+
+
+def weights_sha256(state: Mapping[str, Any], rank: int, tp: int) -> str | None:
+    """The recorded sha256 of this rank's parameter file; None at another layout (its slices are cut
+    from several files as they are read)."""
+    return state["files"][rank_file_name(rank, tp)] if same_layout(state, tp) else None
+
+
+def build_options(state: Mapping[str, Any] | None, rank: int, tp: int) -> dict[str, Any]:
+    """The keywords of `build_model` for a run at `tp` from a checkpoint with trainer `state` (None: weights
+    only): the parameter file's sha256 at the same layout, else `relayout`."""
+    if state is None:
+        return {}
+    return {"sha256": weights_sha256(state, rank, tp)} if same_layout(state, tp) else {"relayout": True}
+
+
+def reseed(seed: int, step: int, rank: int) -> int:
+    """The default generator's seed of `rank` resumed at `step` at another layout: a 63-bit hash of the three."""
+    digest = hashlib.sha256(f"reshard.resume/{seed}/{step}/{rank}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+def restore_training(
+    state: Mapping[str, Any], source: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, *,
+    scheduler: Any | None = None, generators: Mapping[str, torch.Generator] | None = None, seed: int = 0,
+) -> dict[str, Any]:
+    """Fill `optimizer` (AdamW) from the checkpoint's moments of this rank, verified against their
+    recorded sha256 (at another tp: cut from the saved files as read), and restore the scheduler, the
+    generators and this rank's RNG (at another tp: reseeded from `seed`, the step and the rank); returns
+    `{"step": N, "extra": {...}}` (the run continues at step N + 1)."""
+    header = model.rank_header
+    rank, tp = header.rank, header.tp
+    step, same = int(state["optimizer"]["step"]), same_layout(state, tp)
+    for p in model.parameters():
+        optimizer.state[p]["step"] = torch.tensor(float(step), dtype=_scalar_dtype())
+    targets = {optimizer_tensor_name(n, slot): t for slot in OPTIMIZER_SLOTS
+               for n, t in moment_targets(model, optimizer, slot).items()}
+    _fill_moments(state, Path(source), rank, tp, targets)
+    if scheduler is not None:
+        if state["scheduler"] is None:
+            raise CheckpointError(f"{source}: the checkpoint has no LR scheduler state, this run has one; resume "
+                                  "without the schedule or from a checkpoint saved with it")
+        scheduler.load_state_dict(state["scheduler"])
+        for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr(), strict=True):
+            group["lr"] = lr  # the rate the next step uses (load_state_dict sets the schedule, not the optimizer)
+    for key, gen in (generators or {}).items():
+        if key not in state["generators"]:
+            raise CheckpointError(f"{source}: the checkpoint has no generator {key!r}; save it with this trainer")
+        gen.set_state(decode_rng(state["generators"][key]))
+    if not same:
+        torch.manual_seed(reseed(seed, step, rank))  # all of torch's default generators, CUDA's included
+        return {"step": step, "extra": dict(state["extra"])}
+    mine = state["rng"][rank]
+    torch.set_rng_state(decode_rng(mine["torch"]))
+    if "cuda" in mine and torch.cuda.is_available():
+        torch.cuda.set_rng_state(decode_rng(mine["cuda"]))
+    return {"step": step, "extra": dict(state["extra"])}
+
+
+def _fill_moments(state: Mapping[str, Any], source: Path, rank: int, tp: int, targets: dict[str, torch.Tensor]) -> None:
+    """This rank's moments into `targets`: its file verified against the recorded sha256 at the same
+    layout, its slices cut from the saved files at another."""
+    if not same_layout(state, tp):
+        _, chunks, where = open_relaid_stream(source / OPTIMIZER_DIR, rank, tp)
+        moments, leftover = read_header_from(chunks, where)
+        fill_parameters(moments, chunks, targets, leftover=leftover)
+        return
+    name = f"{OPTIMIZER_DIR}/{rank_file_name(rank, tp)}"
+    body = file_body(source / name)
+    moments, leftover = read_header_from(body, str(source / name))
+    moments.check(rank, Layout(tp=tp), fix=f"resume with the checkpoint's {tp} ranks")
+    fill_parameters(moments, body, targets, sha256=state["files"][name], leftover=leftover, verify="always")
+
+
+def start_step(
+    state: Mapping[str, Any] | None, source: str | Path | None, model: nn.Module, optimizer: torch.optim.Optimizer,
+    *, scheduler: Any | None = None, generators: Mapping[str, torch.Generator] | None = None, seed: int = 0,
+    say: bool = True,
+) -> tuple[int, dict[str, Any]]:
+    """The step a run starts after and the loop's own saved state: the checkpoint's (restored by
+    `restore_training`), or (0, {}). `source` is what `--resume` named (None without one); with `say`,
+    one line tells what was resumed."""
+    got = restore_training(state, source, model, optimizer, scheduler=scheduler, generators=generators, seed=seed) \
+        if state is not None and source is not None else {"step": 0, "extra": {}}
+    if say and source is not None:
+        saved = f" (saved at tp={state['layout']['tp']}, cut to tp={model.rank_header.tp} as read)" \
+            if state is not None and not same_layout(state, model.rank_header.tp) else ""
+        print(f"resumed from {source} at step {got['step']}{saved}" if state is not None else
+              f"{source}: weights only (no {STATE_NAME}): starting with a fresh optimizer at step 0", flush=True)
+    return got["step"], got["extra"]
+
+
+def _scalar_dtype() -> torch.dtype:
+    """The dtype AdamW keeps its `step` in (torch.optim.optimizer._get_scalar_dtype)."""
+    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
