@@ -25,7 +25,7 @@ from reshard.errors import ReshardError
 from reshard.settings import library_settings
 from reshard.trainer.build import build_model
 from reshard.trainer.cursor import local_share
-from reshard.trainer.groups import DataTensorGroups, all_gather_json, make_groups, mirrored_new_groups
+from reshard.trainer.groups import DataTensorGroups, all_gather_json, make_groups
 from reshard.trainer.loop import LoopOptions, RunState, StepRecord, train_steps
 from reshard.trainer.peers import stop_peers_on_failure
 from reshard.trainer.resume import build_options, start_step, training_state
@@ -101,9 +101,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     dtype = None if args.dtype == "keep" else getattr(torch, args.dtype)
     source = str(args.resume or args.shards)
     saved = training_state(source, tp=groups.tp) if args.resume else None
-    with mirrored_new_groups(groups):  # groups made inside one replica's build are made by all
-        model = build_model(source, device=device, dtype=dtype, group=groups.tp_group,
-                            **build_options(saved, groups.tp_rank, groups.tp))
+    model = build_model(source, device=device, dtype=dtype, group=groups.tp_group,
+                        **build_options(saved, groups.tp_rank, groups.tp))
     t_loaded = time.time()
     tokens = load_tokens(args.data or default_data(), model.config.vocab_size)
     optimizer = make_optimizer(model, lr=args.lr)

@@ -11,9 +11,7 @@ expect; None for dp means there is nothing to average).
 
 from __future__ import annotations
 
-import contextlib
 import json
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,30 +55,6 @@ def make_groups(dp: int, *, world: int, rank: int) -> DataTensorGroups:
     return DataTensorGroups(dp, tp, rank // tp, rank % tp, dp_group, tp_group)
 
 
-@contextlib.contextmanager
-def mirrored_new_groups(groups: DataTensorGroups) -> Iterator[None]:
-    """While the replicas build their models: a group one replica's ranks create (the ranks sharing a kv
-    head) is created by every replica, each for its own tp ranks, so that `new_group`, which every rank
-    of the world must call for every group, is called the same way everywhere. The replicas build from
-    the same tp rank files, so they make the same calls in the same order."""
-    if groups.dp == 1:
-        yield
-        return
-    original, base = dist.new_group, groups.dp_rank * groups.tp
-
-    def new_group(ranks: list[int] | None = None, *args: Any, **kwargs: Any) -> ProcessGroup | None:
-        if ranks is None:
-            return original(ranks, *args, **kwargs)
-        made = [original([r - base + d * groups.tp for r in ranks], *args, **kwargs) for d in range(groups.dp)]
-        return made[groups.dp_rank]
-
-    dist.new_group = new_group
-    try:
-        yield
-    finally:
-        dist.new_group = original
-
-
 def average_gradients(params: list[torch.nn.Parameter], group: ProcessGroup | None, size: int) -> None:
     """Replace every gradient by its mean over `group` (the data-parallel replicas); no-op at size 1."""
     if size == 1:
@@ -114,5 +88,4 @@ def all_gather_json(obj: Any, group: ProcessGroup | None, *, device: torch.devic
     return [json.loads(bytes(b[: int(n)].cpu().tolist())) for b, n in zip(bufs, sizes, strict=True)]
 
 
-__all__ = ["DataTensorGroups", "all_gather_json", "average_gradients", "make_groups", "mean_over",
-           "mirrored_new_groups"]
+__all__ = ["DataTensorGroups", "all_gather_json", "average_gradients", "make_groups", "mean_over"]

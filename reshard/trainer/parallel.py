@@ -67,19 +67,17 @@ _SHARE_GROUPS: contextvars.ContextVar[dict[int, ProcessGroup | None]] = contextv
 
 
 def _share_groups(heads: int, group: ProcessGroup | None) -> ProcessGroup | None:
-    """Create (collectively, on every rank) the groups of ranks sharing each head; return this rank's."""
+    """This rank's group of the ranks sharing its head, created by those ranks alone
+    (`use_local_synchronization`: a group's name is a hash of its ranks, so replicas of the TP group, or any
+    other ranks, never need to join its creation)."""
     cache = _SHARE_GROUPS.get(None)
     if cache is not None and heads in cache:
         return cache[heads]
     tp, rank = tp_world_size(group), tp_rank(group)
     rep = tp // heads
-    mine = None
-    for h in range(heads):
-        members = list(range(h * rep, (h + 1) * rep))
-        global_ranks = [dist.get_global_rank(group, r) for r in members] if group is not None else members
-        g = dist.new_group(global_ranks)
-        if rank in members:
-            mine = g
+    members = list(range(rank // rep * rep, (rank // rep + 1) * rep))
+    global_ranks = [dist.get_global_rank(group, r) for r in members] if group is not None else members
+    mine = dist.new_group(global_ranks, use_local_synchronization=True)
     if cache is not None:
         cache[heads] = mine
     return mine
