@@ -1,4 +1,10 @@
-"""`reshard plan`, `reshard write` and `reshard pull`, with the layout flags they share."""
+"""`reshard plan`, `reshard write` and `reshard pull`, with the layout flags they share.
+
+A training checkpoint (rank files + `optimizer/` + `trainer_state.json`, `reshard.trainer.snapshot`) is
+two rank directories and a JSON file: `plan` plans both, `write` re-lays out all three. That is composed
+here, over the one write path (`write_shards`, once per rank directory), because the trainer state's
+JSON is owned by `reshard.trainer.state_json`, a layer above `reshard.io`; torch is imported only then.
+"""
 
 from __future__ import annotations
 
@@ -8,8 +14,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from reshard.errors import PlanError
-from reshard.format.rank_file import rank_file_name
+from reshard.errors import CheckpointError, PlanError
+from reshard.format.rank_file import OPTIMIZER_DIR, rank_file_name
 from reshard.io.progress import add_progress_flags, human
 from reshard.io.sinks.write import write_shards
 from reshard.io.source.opener import open_source
@@ -28,8 +34,8 @@ def parse_ranks(text: str) -> list[int]:
     return sorted(set(ranks))
 
 
-def _plan(args: argparse.Namespace, *, lazy: bool = False) -> tuple[Any, Plan]:
-    ckpt, manifest = open_source(args.checkpoint, rules=args.rules, engine=args.engine)
+def _plan(args: argparse.Namespace, *, lazy: bool = False, source: str | Path | None = None) -> tuple[Any, Plan]:
+    ckpt, manifest = open_source(source or args.checkpoint, rules=args.rules, engine=args.engine)
     ranks = parse_ranks(args.ranks) if getattr(args, "ranks", None) else None
     plan = make_plan(ckpt, manifest, layout_of(args), ranks=ranks, strict=args.strict, lazy=lazy)
     for w in plan.warnings:
@@ -37,33 +43,97 @@ def _plan(args: argparse.Namespace, *, lazy: bool = False) -> tuple[Any, Plan]:
     return ckpt, plan
 
 
+def optimizer_dir(checkpoint: str | Path) -> Path | None:
+    """`CHECKPOINT/optimizer` when `checkpoint` is a local training checkpoint (it has AdamW's rank files)."""
+    moments = Path(checkpoint) / OPTIMIZER_DIR
+    return moments if not is_url(checkpoint) and moments.is_dir() else None
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     ckpt, plan = _plan(args, lazy=not args.json)  # the summary visits each rank once
+    moments = optimizer_dir(args.checkpoint)
+    oplan = _plan(args, lazy=not args.json, source=moments)[1] if moments is not None else None
+    opt = {rp.rank: rp.size for rp in oplan.ranks} if oplan is not None else {}
     if args.json:
-        json.dump(plan_to_json(plan, tensors=True), sys.stdout, indent=2)
+        out = plan_to_json(plan, tensors=True)
+        if oplan is not None:  # a training checkpoint: the optimizer's rank files, planned by the same rules
+            out["optimizer"] = plan_to_json(oplan, tensors=True)
+            for entry in out["ranks"]:
+                entry["optimizer_bytes"] = opt[entry["rank"]]
+        json.dump(out, sys.stdout, indent=2)
         print()
         return 0
     print(f"checkpoint: {ckpt.root} ({len(ckpt.tensors)} tensors, {human(ckpt.total_bytes())})")
     print(f"manifest:   {plan.manifest.source}")
     world = f" ({plan.world} ranks)" if not plan.layout.tp_only else ""
     print(f"{plan.layout.describe()}{world}  plan {plan.digest[:16]}")
-    print(f"{'rank':>5} {'tensors':>8} {'bytes out':>12} {'replicated':>12} {'bytes read':>12}")
+    extra = f" {'optimizer':>12}" if opt else ""
+    print(f"{'rank':>5} {'tensors':>8} {'bytes out':>12} {'replicated':>12} {'bytes read':>12}{extra}")
     for rp in plan.ranks:
         s = rp.stats()
+        more = f" {human(opt[rp.rank]):>12}" if opt else ""
         print(f"{rp.rank:>5} {s['tensors']:>8} {human(s['bytes']):>12} {human(s['replicated_bytes']):>12} "
-              f"{human(s['bytes_read']):>12}")
+              f"{human(s['bytes_read']):>12}{more}")
+    if opt:
+        print(f"training checkpoint: optimizer (AdamW's exp_avg, exp_avg_sq) {human(sum(opt.values()))} in "
+              f"{OPTIMIZER_DIR}/, cut like the parameters")
     return 0
 
 
 def cmd_write(args: argparse.Namespace) -> int:
+    moments = optimizer_dir(args.checkpoint)
+    state = _begin_training_write(args) if moments is not None else None
     ckpt, plan = _plan(args)
     record = write_shards(ckpt, plan, args.out, progress=args.progress)  # a directory, or a store prefix
     total = sum(f["size"] for f in record["files"].values())
+    if moments is not None and state is not None:
+        total += _write_training_rest(args, moments, record, state)
     where = args.out if is_url(args.out) else Path(args.out)
     done = ", ".join(f"{rank_list(record[k])} {k}" for k in ("kept", "written") if record.get(k))
     print(f"wrote {len(plan.ranks)} rank files ({human(total)} in {where}{': ' + done if done else ''}), "
           f"manifest: {plan.manifest.source}")
     return 0
+
+
+def _begin_training_write(args: argparse.Namespace) -> dict[str, Any]:
+    """The trainer state of the training checkpoint `args.checkpoint`, checked: it is re-laid out whole, at
+    a tp, into a local directory (what `--resume` reads), whose old `trainer_state.json` is removed first
+    (until the new one is written last, the directory is no checkpoint)."""
+    from reshard.trainer.state_json import STATE_NAME, read_state
+
+    layout = layout_of(args)
+    if not layout.tp_only:
+        raise PlanError(f"{args.checkpoint} is a training checkpoint, which holds one replica's tp ranks: re-lay it "
+                        f"with --tp only (not {layout.describe()}); a resume at --dp D reads the same tp files")
+    if args.ranks or is_url(args.out) or args.engine:
+        raise PlanError(f"{args.checkpoint} is a training checkpoint: `reshard write` re-lays it out whole into a "
+                        "local directory; drop --ranks/--engine and give -o a directory")
+    state = read_state(Path(args.checkpoint))
+    if state is None:
+        raise CheckpointError(f"{args.checkpoint}: {OPTIMIZER_DIR}/ without {STATE_NAME}, not a complete training "
+                        "checkpoint; write from a checkpoint the trainer saved (or its parameters alone)")
+    (Path(args.out) / STATE_NAME).unlink(missing_ok=True)
+    return state
+
+
+def _write_training_rest(args: argparse.Namespace, moments: Path, record: dict[str, Any], state: dict[str, Any]) -> int:
+    """The optimizer's rank files (the same plan, over `moments`), then `trainer_state.json` last (what makes
+    the directory a checkpoint), its per-rank RNG the states a resume at another layout reseeds to."""
+    from reshard.io.outfs import write_json_atomic
+    from reshard.trainer.resume import reseed
+    from reshard.trainer.state_json import STATE_NAME, relaid_state, seeded_rng
+
+    out = Path(args.out)
+    ockpt, oplan = _plan(args, source=moments)
+    orecord = write_shards(ockpt, oplan, out / OPTIMIZER_DIR, progress=args.progress)
+    files = {**{k: f["sha256"] for k, f in record["files"].items()},
+             **{f"{OPTIMIZER_DIR}/{k}": f["sha256"] for k, f in orecord["files"].items()}}
+    tp, step, seed = oplan.tp, int(state["step"]), int(state["extra"].get("seed", 0))
+    write_json_atomic(out / STATE_NAME, relaid_state(state, tp=tp, files=files,
+                                                     rng=[seeded_rng(reseed(seed, step, r)) for r in range(tp)]))
+    print(f"training checkpoint at step {step}: optimizer re-laid out too, {STATE_NAME} for tp={tp} "
+          "(each rank's RNG reseeded from (seed, step, rank))")
+    return sum(f["size"] for f in orecord["files"].values())
 
 
 def rank_list(ranks: list[int]) -> str:

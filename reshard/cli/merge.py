@@ -1,4 +1,5 @@
-"""`reshard merge SHARDS -o OUT`: rank shards back to a full HF checkpoint (`reshard.io.sinks.hf_checkpoint`)."""
+"""`reshard merge SHARDS -o OUT [--optimizer]`: rank shards back to a full HF checkpoint, and with
+`--optimizer` a training checkpoint's AdamW moments to `OUT/optimizer/SLOT/` (`reshard.io.sinks.hf_checkpoint`)."""
 
 from __future__ import annotations
 
@@ -12,12 +13,16 @@ from reshard.layout.mesh import Layout
 
 
 def cmd_merge(args: argparse.Namespace) -> int:
-    summary = merge(args.shards, args.out, max_file_bytes=args.max_file_bytes, progress=args.progress)
+    summary = merge(args.shards, args.out, max_file_bytes=args.max_file_bytes, progress=args.progress,
+                    optimizer=args.optimizer)
     if args.json:
         print(json.dumps(summary))
     else:
         print(f"merged {summary['tensors']} tensors from {Layout.from_sizes(summary['layout']).describe()} shards into {args.out} "
               f"({human(summary['bytes'])} in {len(summary['files'])} file(s))")
+        for slot, got in summary.get("optimizer", {}).items():
+            print(f"merged the optimizer's {slot} of {got['tensors']} parameters into {args.out}/{got['dir']} "
+                  f"({human(got['bytes'])} in {len(got['files'])} file(s))")
     return 0
 
 
@@ -27,6 +32,9 @@ def add_commands(sub: Any) -> None:
     p.add_argument("-o", "--out", required=True, help="output checkpoint directory")
     p.add_argument("--max-file-bytes", type=int, default=DEFAULT_MAX_FILE,
                    help="start a new model-XXXXX-of-YYYYY file past this many bytes (default 5e9)")
+    p.add_argument("--optimizer", action="store_true",
+                   help="a training checkpoint: also merge AdamW's moments, under the parameters' names, into "
+                   "OUT/optimizer/exp_avg/ and OUT/optimizer/exp_avg_sq/ (HF-shaped, like the weights)")
     p.add_argument("--json", action="store_true", help="print a JSON summary")
     add_progress_flags(p)
     p.set_defaults(func=cmd_merge)

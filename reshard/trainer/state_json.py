@@ -11,6 +11,10 @@
     rng         per rank, in rank order: {"torch": base64 of torch's default generator state,
                 "cuda": ... when CUDA is used}
     extra       the training loop's own JSON state (seed, data cursor, ...)
+    relaid_from (only in a checkpoint `reshard write` re-laid out offline) {"tp": T}: the layout it was
+                saved at; its `rng` are then the states a resume at another layout reseeds to
+                (`reshard.trainer.resume.reseed` of the saved seed, the step and the rank), so a resume
+                from it equals one that cuts the original as it reads (`relaid_state`)
 
 It is written last, by rank 0, so a directory without it (or whose files do not match it) is not a
 checkpoint. No pickle: every value is JSON, generator states are their bytes in base64.
@@ -29,7 +33,7 @@ import torch
 from reshard.errors import CheckpointError
 
 __all__ = ["FORMAT", "STATE_NAME", "check_state", "decode_rng", "encode_rng", "encode_state", "read_state",
-           "rng_snapshot"]
+           "relaid_state", "rng_snapshot", "seeded_rng"]
 
 FORMAT = "reshard.trainer_state/1"
 STATE_NAME = "trainer_state.json"
@@ -104,3 +108,19 @@ def read_state(directory: Path) -> dict[str, Any] | None:
         raise CheckpointError(f"{path.parent}: incomplete checkpoint, {absent[:3]} missing; resume from an "
                               "earlier checkpoint")
     return state
+
+
+def seeded_rng(seed: int) -> dict[str, str]:
+    """A rank's `rng` entry as `torch.manual_seed(seed)` leaves torch's CPU generator (computed offline)."""
+    return {"torch": encode_rng(torch.Generator().manual_seed(seed).get_state())}
+
+
+def relaid_state(
+    state: Mapping[str, Any], *, tp: int, files: Mapping[str, str], rng: list[dict[str, str]],
+) -> dict[str, Any]:
+    """The trainer state of checkpoint `state` re-laid out at tp=`tp`: step, optimizer, scheduler,
+    generators and extra kept; `layout`, `files` (relative path -> sha256) and the per-rank `rng` (the
+    reseeded states, one per rank: `seeded_rng`) replaced; `relaid_from` records the layout it was saved at."""
+    out = {**state, "layout": {"tp": tp}, "files": dict(sorted(files.items())), "rng": list(rng),
+           "relaid_from": dict(state.get("relaid_from") or state["layout"])}
+    return check_state(out, f"trainer state re-laid at tp={tp}")

@@ -2,15 +2,22 @@
 
 Each output file is planned like a rank file (every tensor whole, from the pieces the ranks hold,
 padding dropped) and streamed in bounded chunks: no tensor is ever materialized.
+
+With `optimizer=True` a training checkpoint's AdamW state (`SRC/optimizer/`, `reshard.format.rank_file`)
+is merged too, one HF-shaped checkpoint per moment under the parameters' own names:
+`OUT/optimizer/exp_avg/` and `OUT/optimizer/exp_avg_sq/`, each `model.safetensors` (or
+`model-0000X-of-0000N.safetensors` + index) and `config.json`, like the weights in `OUT`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from reshard.errors import PlanError
+from reshard.errors import CheckpointError, PlanError
 from reshard.format.checkpoint import CONFIG_NAME, INDEX_NAME, SINGLE_NAME
+from reshard.format.rank_file import OPTIMIZER_DIR, OPTIMIZER_SLOTS, parse_optimizer_tensor_name
 from reshard.format.selection import full_selection
 from reshard.io.outfs import (
     check_space,
@@ -25,6 +32,7 @@ from reshard.io.sinks.writer import write_files
 from reshard.io.source.opener import open_shards
 from reshard.io.source.rank_dir import ShardSet
 from reshard.io.source.remote_dir import copy_beside
+from reshard.io.source.stores import is_url
 from reshard.plan.segments import layout, segments_for
 from reshard.plan.types import OutTensor, RankPlan, source_files
 
@@ -32,13 +40,17 @@ DEFAULT_MAX_FILE = 5 * 10**9
 _RETRY = "run the same merge again"
 
 
-def merge_plans(shards: ShardSet, *, max_file_bytes: int = DEFAULT_MAX_FILE) -> list[tuple[str, RankPlan]]:
-    """The output files (HF names) and their plans: tensors in name order, a new file past `max_file_bytes`."""
+def merge_plans(shards: ShardSet, *, max_file_bytes: int = DEFAULT_MAX_FILE,
+                rename: Mapping[str, str] | None = None) -> list[tuple[str, RankPlan]]:
+    """The output files (HF names) and their plans: tensors in name order, a new file past `max_file_bytes`.
+    With `rename` (shard tensor name -> output name) only the tensors it names, under their new names."""
     if max_file_bytes <= 0:
         raise PlanError(f"max file size {max_file_bytes} must be positive")
     groups: list[list[OutTensor]] = [[]]
     size = 0
-    for name, gt in shards.global_tensors().items():
+    found = shards.global_tensors()
+    chosen = sorted((rename[n], gt) for n, gt in found.items() if n in rename) if rename is not None else found.items()
+    for name, gt in chosen:
         sel = full_selection(gt.shape)
         if groups[-1] and size + gt.nbytes > max_file_bytes:
             groups.append([])
@@ -52,10 +64,35 @@ def merge_plans(shards: ShardSet, *, max_file_bytes: int = DEFAULT_MAX_FILE) -> 
 
 
 def merge(src: str | Path, out: str | Path, *, max_file_bytes: int = DEFAULT_MAX_FILE,
-          progress: bool | None = None) -> dict[str, Any]:
-    """Merge the rank shards in `src` into an HF checkpoint in `out`; returns a summary."""
+          progress: bool | None = None, optimizer: bool = False) -> dict[str, Any]:
+    """Merge the rank shards in `src` into an HF checkpoint in `out`; returns a summary. With `optimizer`,
+    `src` is a training checkpoint and its AdamW moments are merged too (the module docstring)."""
     shards = open_shards(src)
-    plans = merge_plans(shards, max_file_bytes=max_file_bytes)
+    moments = open_shards(_optimizer_src(src)) if optimizer else None  # refused before anything is written
+    summary = _merge_into(shards, out, merge_plans(shards, max_file_bytes=max_file_bytes), progress)
+    if moments is not None:
+        summary["optimizer"] = {}
+        for slot in OPTIMIZER_SLOTS:
+            names = {n: p[0] for n in moments.tensors if (p := parse_optimizer_tensor_name(n)) and p[1] == slot}
+            plans = merge_plans(moments, max_file_bytes=max_file_bytes, rename=names)
+            where = Path(out) / OPTIMIZER_DIR / slot
+            summary["optimizer"][slot] = {"dir": f"{OPTIMIZER_DIR}/{slot}", **_merge_into(moments, where, plans, progress)}
+    return summary
+
+
+def _optimizer_src(src: str | Path) -> str | Path:
+    """`SRC/optimizer`: a training checkpoint's AdamW rank files (one clear error when there are none)."""
+    if is_url(src):
+        return f"{str(src).rstrip('/')}/{OPTIMIZER_DIR}"
+    if not (Path(src) / OPTIMIZER_DIR).is_dir():
+        raise CheckpointError(f"{src}: no {OPTIMIZER_DIR}/ here, so no optimizer state to merge; merge a training "
+                              "checkpoint saved by `reshard.cli.train --save`, or drop --optimizer")
+    return Path(src) / OPTIMIZER_DIR
+
+
+def _merge_into(shards: ShardSet, out: str | Path, plans: list[tuple[str, RankPlan]],
+                progress: bool | None) -> dict[str, Any]:
+    """Write `plans` (from `merge_plans`) into `out`, with the index when several and `config.json`."""
     out = prepare_dir(out)
     with output_errors(out, retry=_RETRY):
         remove_stale_temps(out)
@@ -64,11 +101,11 @@ def merge(src: str | Path, out: str | Path, *, max_file_bytes: int = DEFAULT_MAX
         write_files([(plan, out / fname, lambda d: None) for fname, plan in plans], on_bytes=bar.update, retry=_RETRY)
         fsync_dir(out)
         bar.close()
-        total = shards.total_bytes()  # every tensor whole: what the merged files hold
+        total = sum(t.nbytes for _, p in plans for t in p.tensors)  # every tensor whole: what the merged files hold
         if len(plans) > 1:
             weight_map = {t.name: fname for fname, p in plans for t in p.tensors}
             write_json_atomic(out / INDEX_NAME, {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))})
         if shards.config is not None:  # read (and validated) from config.json when the shards were opened
             copy_beside(shards.root, CONFIG_NAME, out / CONFIG_NAME)
-    return {"files": [f for f, _ in plans], "tensors": len(shards.tensors), "bytes": total, "tp": shards.tp,
-            "layout": shards.layout.sizes()}
+    return {"files": [f for f, _ in plans], "tensors": sum(len(p.tensors) for _, p in plans), "bytes": total,
+            "tp": shards.tp, "layout": shards.layout.sizes()}
