@@ -64,21 +64,25 @@ def open_rank_stream(
 
 
 def open_relaid_stream(
-    directory: str | Path, rank: int, layout: Layout | int,
-) -> tuple[dict[str, Any] | None, Iterator[memoryview], str]:
+    directory: str | Path, rank: int, layout: Layout | int, *, token: str | None = None, need_config: bool = True,
+) -> tuple[dict[str, Any] | None, Iterator[Any], str]:
     """(config, byte chunks, a name for errors) of rank `rank` of `layout` cut on the fly from a directory
     of rank files of any other layout: the bytes `reshard write DIRECTORY ... -o OUT` would put in that
-    rank's file, planned from the files' self-description; only this rank's slices are read."""
+    rank's file, planned from the files' self-description; only this rank's slices are read. From the
+    service's URL of such a directory, the service cuts it (the same bytes, checked against its sha256)."""
     from reshard.io.rank_stream import RankStream
     from reshard.io.source.opener import open_source
     from reshard.plan.planner import make_plan
 
     layout = layout if isinstance(layout, Layout) else Layout(tp=layout)
+    if is_url(directory):
+        config, body, _, name = open_rank_stream(directory, rank, layout, token=token, need_config=need_config)
+        return config, body, name
     source, manifest = open_source(directory)
     plan = make_plan(source, manifest, layout, ranks=[rank])
     root = Path(directory)
     config = json.loads((root / CONFIG_NAME).read_text()) if (root / CONFIG_NAME).is_file() \
-        else _no_config(f"{root}: no config.json beside the rank files", True)
+        else _no_config(f"{root}: no config.json beside the rank files", need_config)
     return config, _closing(RankStream(plan.ranks[0])), f"{root} (rank {rank} of {layout.describe()}, cut as read)"
 
 

@@ -4,7 +4,10 @@ Nothing outside the root is read or written: names are validated before they tou
 and every directory and file is resolved (symlinks followed) and must stay under the root's real
 path. A request re-stats the checkpoint directory (one `scandir`) but re-parses headers only when a
 file's name, size, mtime or inode changed. Manifests stored with `PUT .../rules` live in
-ROOT/.reshard/rules/NAME/LABEL.json, a directory no checkpoint name can reach.
+ROOT/.reshard/rules/NAME/LABEL.json, a directory no checkpoint name can reach. `NAME/optimizer` (`PARTS`)
+names the optimizer state of a training checkpoint (ROOT/NAME/optimizer, rank files of its own). A
+directory of rank files (and no model.safetensors or index) is served as the checkpoint its rank files
+describe (`reshard.io.source.rank_dir.ShardSet`, under the rules they recorded), at any layout.
 """
 
 from __future__ import annotations
@@ -23,10 +26,12 @@ from typing import Any, Generic, TypeVar
 from cachetools import LRUCache
 
 from reshard.errors import ManifestError, NotFoundError, PlanError, RegistryError, ReshardError
-from reshard.format.checkpoint import CONFIG_NAME, INDEX_NAME, Checkpoint
+from reshard.format.checkpoint import CONFIG_NAME, INDEX_NAME, SINGLE_NAME, Checkpoint
+from reshard.format.rank_file import OPTIMIZER_DIR
 from reshard.gcpause import paused_gc
 from reshard.io.outfs import write_json_atomic
 from reshard.io.source.opener import checkpoint_manifest
+from reshard.io.source.rank_dir import ShardSet, has_rank_files
 from reshard.layout.mesh import Layout
 from reshard.plan.planner import LayoutPlanner, as_layout, make_plan, make_planner, resolve_rules
 from reshard.plan.types import Plan, RankPlan
@@ -37,6 +42,7 @@ from reshard.service.serve_settings import Settings
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 DEFAULT_LABEL = "default"
+PARTS = (OPTIMIZER_DIR,)  # NAME/PART: a checkpoint inside a checkpoint (a training checkpoint's optimizer state)
 _WATCHED = (".safetensors", ".json", ".yaml", ".yml")
 
 K = TypeVar("K")
@@ -70,13 +76,21 @@ def valid_name(name: str) -> bool:
 
 
 def check_name(name: str, *, what: str = "checkpoint name") -> str:
-    """`name` if `valid_name`, else 400 with what is allowed."""
-    if not isinstance(name, str) or not valid_name(name):
+    """`name` if `valid_name` (a checkpoint name: or `NAME/PART`, PART one of `PARTS`), else 400 with what
+    is allowed."""
+    base, sep, part = name.partition("/") if isinstance(name, str) and what == "checkpoint name" else (name, "", "")
+    if not isinstance(base, str) or not valid_name(base) or (sep and part not in PARTS):
         raise BadRequest(
             f"{what} {name!r} is not allowed: use 1-128 letters, digits, '.', '_', '-', "
             "starting with a letter or digit, without '..' or path separators"
+            + (f" (or NAME/{'|'.join(PARTS)})" if what == "checkpoint name" else "")
         )
     return name
+
+
+def part_name(name: str, part: str | None) -> str:
+    """The served name of `part` (one of `PARTS`, None: the checkpoint itself) of checkpoint `name`."""
+    return f"{name}/{part}" if part else name
 
 
 def is_within(path: Path, root: Path) -> bool:
@@ -88,14 +102,14 @@ class ServedCheckpoint:
     """A parsed checkpoint and the manifest a request asked for."""
 
     name: str
-    ckpt: Checkpoint
+    ckpt: Checkpoint | ShardSet
     manifest: Manifest
     key: StatKey
 
 
 @dataclass
 class _Entry:
-    ckpt: Checkpoint
+    ckpt: Checkpoint | ShardSet
     manifest: Manifest | None = None
     manifest_error: ReshardError | None = None
     resolved: bool = False
@@ -177,8 +191,10 @@ class Catalog:
             self._ckpts.put((name, key), entry)
         return entry, key
 
-    def _open_checkpoint(self, name: str, directory: Path, key: StatKey) -> Checkpoint:
-        ckpt = Checkpoint.open(directory)
+    def _open_checkpoint(self, name: str, directory: Path, key: StatKey) -> Checkpoint | ShardSet:
+        names = [f[0] for f in key]
+        rank_dir = has_rank_files(names) and SINGLE_NAME not in names and INDEX_NAME not in names
+        ckpt = ShardSet.open(directory) if rank_dir else Checkpoint.open(directory)
         for f in ckpt.files:
             if not is_within(Path(os.path.realpath(f.path)), self.root):
                 raise BadRequest(f"{name}/{f.path.name} resolves outside the served root; refused")
@@ -235,7 +251,8 @@ class Catalog:
         with entry.lock:
             if not entry.resolved:
                 try:
-                    entry.manifest = checkpoint_manifest(entry.ckpt)
+                    ckpt = entry.ckpt
+                    entry.manifest = ckpt.manifest() if isinstance(ckpt, ShardSet) else checkpoint_manifest(ckpt)
                 except ReshardError as e:
                     entry.manifest_error = e
                 entry.resolved = True
@@ -254,7 +271,7 @@ class Catalog:
             "files": [{"name": f.path.name, "size": f.size, "mtime_ns": f.mtime_ns} for f in ckpt.files],
             "total_bytes": ckpt.total_bytes(),
             "tensors": [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "bytes": t.nbytes,
-                         "file": t.file.name} for t in ckpt.tensors.values()],
+                         "file": _file_of(t)} for t in ckpt.tensors.values()],
             "config": ckpt.config,
             "rules": rule_info,
         }
@@ -317,6 +334,11 @@ class Catalog:
         write_json_atomic(path, manifest.to_dict())
         return {"name": name, "label": label, "digest": manifest.digest(), "warnings": warnings,
                 "manifest": manifest.to_dict()}
+
+
+def _file_of(t: Any) -> str:
+    """The file holding tensor `t`: its own (a checkpoint's), or its first piece's (a rank-file directory's)."""
+    return t.file.name if hasattr(t, "file") else t.pieces[0].info.file.name
 
 
 def plan_ranks_once(planner: LayoutPlanner, ranks: Iterable[int]) -> Iterator[RankPlan]:

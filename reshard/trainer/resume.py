@@ -7,11 +7,19 @@ theirs. At another tp every rank reads its slices of the parameters and moments 
 (`reshard.fill.open.open_relaid_stream`: the bytes `reshard write CKPT --tp Q` would write), the global
 generators are restored and each rank's default generator is reseeded from (seed, step, rank). A directory without `trainer_state.json` (an HF checkpoint, plain rank shards) holds weights
 only: the run starts with a fresh optimizer at step 0.
+
+`source` may be the service's URL of a checkpoint directory (`reshard serve --root ROOT`, ROOT/NAME the
+checkpoint): `trainer_state.json` comes from its small files (`GET .../NAME/meta/trainer_state.json`,
+checked against the listed sha256), the parameters from `.../NAME/shards/R`, the moments from
+`.../NAME/optimizer/shards/R`, each rank pulling only its own share, cut by the service at any tp; at
+the saved layout each is checked against the sha256 the checkpoint recorded, at another against the
+service's digest.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -21,22 +29,40 @@ from torch import nn
 
 from reshard.errors import CheckpointError
 from reshard.fill.into_params import fill_parameters, read_header_from
-from reshard.fill.open import open_relaid_stream
+from reshard.fill.open import open_rank_stream, open_relaid_stream
 from reshard.format.rank_file import OPTIMIZER_DIR, OPTIMIZER_SLOTS, optimizer_tensor_name, rank_file_name
 from reshard.io.client.body import file_body
 from reshard.io.source.stores import is_url
 from reshard.layout.mesh import Layout
 from reshard.trainer.snapshot import moment_targets
-from reshard.trainer.state_json import STATE_NAME, decode_rng, read_state
+from reshard.trainer.state_json import STATE_NAME, check_state, decode_rng, read_state
 
 __all__ = ["build_options", "reseed", "restore_training", "same_layout", "start_step", "training_state", "weights_sha256"]
 
 
 def training_state(source: str | Path, *, tp: int) -> dict[str, Any] | None:
-    """The checked trainer state of checkpoint `source` (its files all present); None for weights only."""
-    if is_url(source) or not Path(source).is_dir():
+    """The checked trainer state of checkpoint `source` (its files all present; a URL: as the service
+    lists it, sha256 checked); None for weights only."""
+    if is_url(source):
+        return _served_state(str(source))
+    if not Path(source).is_dir():
         return None
     return read_state(Path(source))
+
+
+def _served_state(url: str) -> dict[str, Any] | None:
+    from reshard.io.client.shard_client import ShardClient  # httpx only for a URL
+
+    with ShardClient(url) as client:
+        data = client.meta_file(STATE_NAME)
+    if data is None:
+        return None
+    where = f"{url}/meta/{STATE_NAME}"
+    try:
+        state = json.loads(data)
+    except ValueError as e:
+        raise CheckpointError(f"{where}: unreadable trainer state ({e}); resume from an earlier checkpoint") from None
+    return check_state(state, where)
 
 
 def same_layout(state: Mapping[str, Any], tp: int) -> bool:
@@ -79,7 +105,7 @@ def restore_training(
         optimizer.state[p]["step"] = torch.tensor(float(step), dtype=_scalar_dtype())
     targets = {optimizer_tensor_name(n, slot): t for slot in OPTIMIZER_SLOTS
                for n, t in moment_targets(model, optimizer, slot).items()}
-    _fill_moments(state, Path(source), rank, tp, targets)
+    _fill_moments(state, source, rank, tp, targets)
     if scheduler is not None:
         if state["scheduler"] is None:
             raise CheckpointError(f"{source}: the checkpoint has no LR scheduler state, this run has one; resume "
@@ -101,17 +127,22 @@ def restore_training(
     return {"step": step, "extra": dict(state["extra"])}
 
 
-def _fill_moments(state: Mapping[str, Any], source: Path, rank: int, tp: int, targets: dict[str, torch.Tensor]) -> None:
+def _fill_moments(state: Mapping[str, Any], source: str | Path, rank: int, tp: int,
+                  targets: dict[str, torch.Tensor]) -> None:
     """This rank's moments into `targets`: its file verified against the recorded sha256 at the same
-    layout, its slices cut from the saved files at another."""
+    layout, its slices cut from the saved files at another (by the service, for a URL)."""
+    moments_at = f"{str(source).rstrip('/')}/{OPTIMIZER_DIR}" if is_url(source) else Path(source) / OPTIMIZER_DIR
     if not same_layout(state, tp):
-        _, chunks, where = open_relaid_stream(source / OPTIMIZER_DIR, rank, tp)
+        _, chunks, where = open_relaid_stream(moments_at, rank, tp, need_config=False)
         moments, leftover = read_header_from(chunks, where)
         fill_parameters(moments, chunks, targets, leftover=leftover)
         return
     name = f"{OPTIMIZER_DIR}/{rank_file_name(rank, tp)}"
-    body = file_body(source / name)
-    moments, leftover = read_header_from(body, str(source / name))
+    if is_url(source):
+        _, body, _, where = open_rank_stream(moments_at, rank, tp, need_config=False)
+    else:
+        body, where = file_body(Path(source) / name), str(Path(source) / name)
+    moments, leftover = read_header_from(body, where)
     moments.check(rank, Layout(tp=tp), fix=f"resume with the checkpoint's {tp} ranks")
     fill_parameters(moments, body, targets, sha256=state["files"][name], leftover=leftover, verify="always")
 

@@ -37,6 +37,9 @@ OPERATIONS = {  # every route of the app
     "PUT /v1/checkpoints/{name}/files/{filename}", "GET /v1/checkpoints/{name}/shards/{rank}",
     "HEAD /v1/checkpoints/{name}/shards/{rank}", "GET /v1/checkpoints/{name}/shards/{rank}/digest",
     "POST /v1/checkpoints/{name}/jobs", "GET /v1/jobs", "GET /v1/jobs/{job_id}",
+    # a training checkpoint's optimizer state (part: "optimizer")
+    "GET /v1/checkpoints/{name}/{part}/shards/{rank}", "HEAD /v1/checkpoints/{name}/{part}/shards/{rank}",
+    "GET /v1/checkpoints/{name}/{part}/shards/{rank}/digest",
 }
 EXAMPLES = 12
 

@@ -135,6 +135,17 @@ class ShardClient:
             fsync_dir(dest)
         return files
 
+    def meta_file(self, filename: str) -> bytes | None:
+        """One of the checkpoint's small files (`reshard.format.meta_files`), verified against the sha256
+        the server lists for it; None when the checkpoint has none."""
+        listed = {f["name"]: f for f in self._json("GET", f"{self.url}/meta")["files"]}
+        if filename not in listed:
+            return None
+        data = self._call(lambda: self._http.get(f"{self.url}/meta/{filename}")).content
+        if hashlib.sha256(data).hexdigest() != listed[filename]["sha256"]:
+            raise IntegrityError(f"{self.url}/meta/{filename}: sha256 does not match the listing; fetch again")
+        return data
+
     def shard_url(self, rank: int) -> str:
         return f"{self.url}/shards/{rank}"
 

@@ -18,14 +18,16 @@ from reshard.settings import env_name, library_settings
 TOKEN_ENV = env_name("token")
 SHA_HEADER = "x-reshard-sha256"
 RETRY_CAP = 10.0  # seconds: the longest wait between two tries of a request to the service (`reshard.io.retry`)
-_CKPT_URL = re.compile(r"^https?://[^/]+(/.*)?/v1/checkpoints/[A-Za-z0-9][A-Za-z0-9._-]*$")
+# NAME, or NAME/optimizer: a training checkpoint's optimizer state (`reshard.service.catalog.PARTS`)
+_CKPT_URL = re.compile(r"^https?://[^/]+(/.*)?/v1/checkpoints/[A-Za-z0-9][A-Za-z0-9._-]*(/optimizer)?$")
 
 
 def checkpoint_url(url: str) -> str:
     """`url` without a trailing slash, if it is a checkpoint URL of the service; else a `ReshardError`."""
     url = url.rstrip("/")
     if not _CKPT_URL.match(url):
-        raise ReshardError(f"{url!r} is not a checkpoint URL; expected http://HOST:PORT/v1/checkpoints/NAME")
+        raise ReshardError(f"{url!r} is not a checkpoint URL; expected http://HOST:PORT/v1/checkpoints/NAME "
+                           "(or NAME/optimizer)")
     return url
 
 

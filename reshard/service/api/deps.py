@@ -14,7 +14,7 @@ from fastapi import Depends, Path, Query, Request
 from reshard.layout.mesh import DIMENSIONS, MAX_WORLD, Layout
 from reshard.rules.engines import known_engines
 from reshard.service.api.schemas import NAME_PATTERN
-from reshard.service.catalog import Catalog
+from reshard.service.catalog import PARTS, Catalog
 from reshard.service.jobs.digests import DigestCache
 from reshard.service.jobs.runner import JobManager
 from reshard.service.prometheus import ServiceMetrics
@@ -83,6 +83,8 @@ layout_query.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
 
 
 LayoutDep = Annotated[Layout, Depends(layout_query)]
+# `/{name}/{part}/shards/...`: a training checkpoint's optimizer state (`reshard.service.catalog.PARTS`)
+Part = Literal[PARTS] | None  # type: ignore[valid-type]
 Rules = Annotated[str | None, Query(description="label of a stored manifest to use instead",
                                     json_schema_extra=_NAME_DOC)]
 # the engines of `reshard.rules.engines`' registry (as the CLI's --engine choices); another name is a 422

@@ -4,7 +4,8 @@ The body is the rank's safetensors file, byte-identical to `reshard write`'s, co
 from the unmodified checkpoint. `Content-Length` comes first, the ETag names the plan (source
 identity, manifest, tp) and the rank, single byte ranges answer 206 and `If-None-Match` 304.
 `get_shard` is a `def` route (FastAPI runs it in its thread pool: planning stays off the event loop);
-the digest route hands its planning and hashing to worker threads itself.
+the digest route hands its planning and hashing to worker threads itself. `/{name}/optimizer/shards/...`
+serves a training checkpoint's optimizer state (its `optimizer/` rank files) the same way.
 """
 
 from __future__ import annotations
@@ -22,10 +23,12 @@ from reshard.service.api.deps import (
     LayoutDep,
     MetricsDep,
     Name,
+    Part,
     Rules,
     StreamDep,
 )
 from reshard.service.api.schemas import DigestOut
+from reshard.service.catalog import part_name
 from reshard.service.http_errors import error_responses
 from reshard.service.transport.ranges import etag_matches, list_header, parse_range, shard_etag, single_header
 from reshard.service.transport.streaming import SHA_HEADER, ShardResponse
@@ -49,7 +52,7 @@ _SHARD_DOC = """The rank's safetensors file (`application/octet-stream`), stream
 
 def get_shard(
     request: Request, name: Name, rank: Rank, layout: LayoutDep, catalog: CatalogDep, digests: DigestsDep, ctx: StreamDep,
-    rules: Rules = None, engine: Engine = None,
+    rules: Rules = None, engine: Engine = None, part: Part = None,
     range_: Annotated[str | None, Header(alias="range")] = None,
     if_range: Annotated[str | None, Header()] = None,
     if_none_match: Annotated[str | None, Header()] = None,
@@ -58,7 +61,7 @@ def get_shard(
     range_ = single_header(request.headers, "range")
     if_range = single_header(request.headers, "if-range")
     if_none_match = list_header(request.headers, "if-none-match")
-    src = catalog.source(name, rules=rules, engine=engine)
+    src = catalog.source(part_name(name, part), rules=rules, engine=engine)
     digest, rp = catalog.rank_plan(src, layout, rank)
     etag = shard_etag(digest, rank)
     headers = {
@@ -93,13 +96,21 @@ _SHARD_RESPONSES: dict[int | str, dict[str, Any]] = {
     **error_responses(400, 401, 404, 409, 416, 422),
 }
 for _method in ("GET", "HEAD"):
-    router.add_api_route(
-        "/{name}/shards/{rank}", get_shard, methods=[_method], response_class=ShardResponse,
-        operation_id=f"{_method.lower()}_shard", summary="One rank's shard (safetensors bytes)"
-        + (", headers only" if _method == "HEAD" else ""), description=_SHARD_DOC, responses=_SHARD_RESPONSES,
-    )
+    for _path, _what in (("/{name}/shards/{rank}", ""), ("/{name}/{part}/shards/{rank}", "_part")):
+        router.add_api_route(
+            _path, get_shard, methods=[_method], response_class=ShardResponse,
+            operation_id=f"{_method.lower()}{_what}_shard", summary="One rank's shard (safetensors bytes)"
+            + (" of a training checkpoint's optimizer state" if _what else "")
+            + (", headers only" if _method == "HEAD" else ""), description=_SHARD_DOC, responses=_SHARD_RESPONSES,
+        )
 
 
+@router.get(
+    "/{name}/{part}/shards/{rank}/digest",
+    response_model=DigestOut,
+    summary="sha256 of one rank's shard of a training checkpoint's optimizer state",
+    responses=error_responses(400, 401, 404, 409, 422),
+)
 @router.get(
     "/{name}/shards/{rank}/digest",
     response_model=DigestOut,
@@ -109,8 +120,9 @@ for _method in ("GET", "HEAD"):
     responses=error_responses(400, 401, 404, 409, 422),
 )
 async def get_digest(name: Name, rank: Rank, layout: LayoutDep, catalog: CatalogDep, digests: DigestsDep,
-                     ctx: StreamDep, metrics: MetricsDep, rules: Rules = None, engine: Engine = None) -> DigestOut:
-    src = await anyio.to_thread.run_sync(lambda: catalog.source(name, rules=rules, engine=engine))
+                     ctx: StreamDep, metrics: MetricsDep, rules: Rules = None, engine: Engine = None,
+                     part: Part = None) -> DigestOut:
+    src = await anyio.to_thread.run_sync(lambda: catalog.source(part_name(name, part), rules=rules, engine=engine))
     digest, rp = await anyio.to_thread.run_sync(catalog.rank_plan, src, layout, rank)
     etag = shard_etag(digest, rank)
     sha, cached = await anyio.to_thread.run_sync(
