@@ -117,7 +117,8 @@ def restore_training(
         if key not in state["generators"]:
             raise CheckpointError(f"{source}: the checkpoint has no generator {key!r}; save it with this trainer")
         gen.set_state(decode_rng(state["generators"][key]))
-    if not same:
+    if not same or "relaid_from" in state:  # cut to another layout, here or by `reshard write`: one rule
+        seed = int(state["extra"].get("seed", seed))  # the run's own seed, as `reshard write` reseeds with it
         torch.manual_seed(reseed(seed, step, rank))  # all of torch's default generators, CUDA's included
         return {"step": step, "extra": dict(state["extra"])}
     mine = state["rng"][rank]
