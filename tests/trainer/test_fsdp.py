@@ -6,6 +6,8 @@ dp=2 x tp=2 run that saved the tp=2 checkpoint for the resume. All the 4-rank ru
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 from pathlib import Path
 
@@ -37,7 +39,7 @@ def shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _job(rank: int, world: int, shards: str, root: str) -> None:
     """Four ranks: dp=2 x tp=2 saving a tp=2 checkpoint at step 3; fsdp=2 x tp=2 from the shards (saving
-    at step 3 too); both checkpoints resumed at fsdp=2 x tp=2."""
+    at step 3 too); both checkpoints resumed at fsdp=2 x tp=2; dp=2 x fsdp=2 x tp=1 (HSDP, a global batch of 4)."""
     from reshard.cli.train import parse_args, train
 
     os.environ["WORLD_SIZE"] = str(world)
@@ -48,6 +50,8 @@ def _job(rank: int, world: int, shards: str, root: str) -> None:
                       "--metrics", f"{root}/f.json", *steps]))
     train(parse_args(["--resume", f"{root}/d/step-3", "--fsdp", "2", "--metrics", f"{root}/rd.json", *steps]))
     train(parse_args(["--resume", f"{root}/f/step-3", "--fsdp", "2", "--metrics", f"{root}/rf.json", *steps]))
+    train(parse_args(["--shards", f"{shards}/../tp1", "--dp", "2", "--fsdp", "2", "--metrics", f"{root}/h.json",
+                      *steps, "--batch-size", "4"]))  # HSDP: 4 data ranks
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +59,11 @@ def runs(shards: Path) -> Path:
     root = shards / "runs"
     rc, _, err = _train("--shards", str(shards / "tp1"), "--steps", str(STEPS), "--metrics", str(root / "ref.json"))
     assert rc == 0, err
+    from reshard.cli.train import main
+
+    with contextlib.redirect_stdout(io.StringIO()):  # the reference of the HSDP run: a global batch of 4
+        assert main(["--shards", str(shards / "tp1"), "--steps", str(STEPS), "--metrics", str(root / "ref4.json"),
+                     *COMMON, "--batch-size", "4"]) == 0
     run_distributed(_job, 4, str(shards / "tp2"), str(root), timeout=240)
     return root
 
@@ -65,12 +74,11 @@ def _diff(a: list[float], b: list[float]) -> float:
 
 @pytest.mark.multiproc
 def test_fsdp_training_matches_the_unsharded_run(runs: Path) -> None:
-    """fsdp=2 x tp=2 sees the same global batch as tp=1: the same losses and clipping norms (clipping
-    on), within float32 noise."""
-    ref = _metrics(runs / "ref.json")
-    for name, layout in (("f", {"dp": 1, "fsdp": 2, "tp": 2}),):
-        m = _metrics(runs / f"{name}.json")
-        assert (m["layout"], m["samples"], len(m["losses"])) == (layout, STEPS * 2, STEPS)
+    """fsdp=2 x tp=2 and dp=2 x fsdp=2 x tp=1 see the same global batch as tp=1: the same losses and
+    clipping norms (clipping on), within float32 noise."""
+    for name, layout, batch in (("f", {"dp": 1, "fsdp": 2, "tp": 2}, 2), ("h", {"dp": 2, "fsdp": 2, "tp": 1}, 4)):
+        m, ref = _metrics(runs / f"{name}.json"), _metrics(runs / ("ref.json" if batch == 2 else "ref4.json"))
+        assert (m["layout"], m["samples"], len(m["losses"])) == (layout, STEPS * batch, STEPS)
         d, n = _diff(m["losses"], ref["losses"]), _diff(m["grad_norms"], ref["grad_norms"])
         print(f"{layout} vs tp=1: max |loss diff| {d:.3g}, max |grad norm diff| {n:.3g}")
         assert d < TOL and n < 1e-4 * max(ref["grad_norms"])
@@ -81,15 +89,16 @@ def test_fsdp_training_matches_the_unsharded_run(runs: Path) -> None:
 def test_fsdp_checkpoint_is_the_tp_checkpoint(runs: Path) -> None:
     """Saved at fsdp=2 x tp=2, the checkpoint is tp=2 rank files (gathered over fsdp) holding what the
     dp=2 x tp=2 run saved, within float32 noise, and it resumes exactly at fsdp=2 x tp=2."""
-    f, d = runs / "f" / "step-3", runs / "d" / "step-3"
-    state = read_state(f)
-    assert state is not None and state["layout"]["tp"] == 2 and state["step"] == 3
-    for sub in (".", OPTIMIZER_DIR):
-        for r in range(2):
-            a, b = load_file(f / sub / rank_file_name(r, 2)), load_file(d / sub / rank_file_name(r, 2))
-            assert sorted(a) == sorted(b)
-            for k in a:
-                torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=1e-4, msg=k)
+    for step, at in ((3, "step-3"), (STEPS, ".")):  # the checkpoint of step 3 and the final one
+        f, d = runs / "f" / at, runs / "d" / at
+        state = read_state(f)
+        assert state is not None and (state["layout"]["tp"], state["step"]) == (2, step)
+        for sub in (".", OPTIMIZER_DIR):
+            for r in range(2):
+                a, b = load_file(f / sub / rank_file_name(r, 2)), load_file(d / sub / rank_file_name(r, 2))
+                assert sorted(a) == sorted(b)
+                for k in a:
+                    torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=1e-4, msg=k)
     rf, fm = _metrics(runs / "rf.json"), _metrics(runs / "f.json")
     assert rf["first_step"] == 4 and rf["losses"] == fm["losses"][3:]  # bit for bit
 
