@@ -88,7 +88,11 @@ def _setup(args: argparse.Namespace) -> tuple[DataTensorGroups, torch.device]:
     if not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", 1)) > 1:
         dist.init_process_group("nccl" if cuda else "gloo")
     world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
-    local_share(args.batch_size, args.dp * args.fsdp, 0)  # refuse a global batch the data ranks cannot share
+    data = args.dp * args.fsdp
+    if args.fsdp > 1 and args.batch_size % data:
+        raise ReshardError(f"--batch-size {args.batch_size} is the global batch, split across --dp {args.dp} x --fsdp "
+                           f"{args.fsdp} = {data} data ranks; pick a multiple of {data}")
+    local_share(args.batch_size, data, 0)  # refuse a global batch the data ranks cannot share, before any work
     groups = make_groups(args.dp, world=world, rank=rank, fsdp=args.fsdp, device_type="cuda" if cuda else "cpu")
     device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}") if cuda else torch.device("cpu")
     if cuda:

@@ -113,6 +113,16 @@ def test_resume_at_fsdp2_tp2_from_a_tp2_checkpoint(runs: Path) -> None:
 
 
 @pytest.mark.pure
-def test_fsdp_sizes_must_divide_the_world() -> None:
+def test_fsdp_sizes_are_checked_in_one_line(shards: Path) -> None:
+    from reshard.cli.train import main
+
     with pytest.raises(ReshardError, match=r"--dp 1 x --fsdp 3: the world of 4 ranks is not a multiple"):
         make_groups(1, fsdp=3, world=4, rank=0)
+    for extra, says in ((["--fsdp", "2"], "--dp 1 x --fsdp 2: the world of 1 ranks is not a multiple of it"),
+                        (["--dp", "2", "--fsdp", "2", "--batch-size", "6"],
+                         "--batch-size 6 is the global batch, split across --dp 2 x --fsdp 2 = 4 data ranks; "
+                         "pick a multiple of 4")):
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            assert main(["--shards", str(shards / "tp1"), "--steps", "1", *extra]) == 1
+        assert err.getvalue().count("\n") == 1 and says in err.getvalue(), err.getvalue()
