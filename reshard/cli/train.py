@@ -1,9 +1,10 @@
 """Train the bundled model with tensor and data parallelism: `torchrun --nproc-per-node 2 -m reshard.cli.train ...`.
 
-world = dp x tp (`--dp`, tp innermost); gloo on CPU, NCCL when CUDA is present. Every rank builds its
-model on the meta device and fills it from its tp rank's shard (a directory or the service's URL); the
-data is byte-level tokens of a text file, sample i a pure function of (seed, i), the global batch
-split across the dp replicas (`reshard.trainer.loop`).
+world = dp x fsdp x tp (`--dp`, `--fsdp`, tp innermost); gloo on CPU, NCCL when CUDA is present. Every
+rank builds its model on the meta device and fills it from its tp rank's shard (a directory or the
+service's URL), then at fsdp > 1 shards it with `fully_shard` (`reshard.trainer.fsdp`); the data is
+byte-level tokens of a text file, sample i a pure function of (seed, i), the global batch split across
+the dp x fsdp data ranks (`reshard.trainer.loop`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from reshard.errors import ReshardError
 from reshard.settings import library_settings
 from reshard.trainer.build import build_model
 from reshard.trainer.cursor import local_share
+from reshard.trainer.fsdp import gathered, shard_model
 from reshard.trainer.groups import DataTensorGroups, all_gather_json, make_groups
 from reshard.trainer.loop import LoopOptions, RunState, StepRecord, train_steps
 from reshard.trainer.peers import stop_peers_on_failure
@@ -62,9 +64,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--min-lr", type=float, default=None, help="cosine decay to this lr at the last step (default: --lr)")
     p.add_argument("--max-norm", type=float, default=None,
                    help="clip gradients to this global norm (the unsharded model's; default: no clipping)")
-    p.add_argument("--dp", type=int, default=1, help="data-parallel replicas; tp = world size // dp")
+    p.add_argument("--dp", type=int, default=1, help="data-parallel replicas; tp = world size // (dp x fsdp)")
+    p.add_argument("--fsdp", type=int, default=1,
+                   help="shard parameters and optimizer state over this many ranks (torch's fully_shard)")
     p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--batch-size", type=int, default=8, help="global batch, split evenly across the --dp replicas")
+    p.add_argument("--batch-size", type=int, default=8, help="global batch, split evenly across the dp x fsdp data ranks")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=["float32", "bfloat16", "keep"], default="float32",
                    help="parameter dtype for training (keep: as stored in the shards)")
@@ -84,8 +88,12 @@ def _setup(args: argparse.Namespace) -> tuple[DataTensorGroups, torch.device]:
     if not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", 1)) > 1:
         dist.init_process_group("nccl" if cuda else "gloo")
     world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
-    local_share(args.batch_size, args.dp, 0)  # refuse a global batch the replicas cannot share, before any work
-    groups = make_groups(args.dp, world=world, rank=rank)
+    data = args.dp * args.fsdp
+    if args.fsdp > 1 and args.batch_size % data:
+        raise ReshardError(f"--batch-size {args.batch_size} is the global batch, split across --dp {args.dp} x --fsdp "
+                           f"{args.fsdp} = {data} data ranks; pick a multiple of {data}")
+    local_share(args.batch_size, data, 0)  # refuse a global batch the data ranks cannot share, before any work
+    groups = make_groups(args.dp, world=world, rank=rank, fsdp=args.fsdp, device_type="cuda" if cuda else "cpu")
     device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}") if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
@@ -112,15 +120,19 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
                                    say=rank == 0)
     state.samples, state.seed = int(extra.get("samples", 0)), int(extra.get("seed", args.seed))
     first_step, t_first = state.step + 1, []
-    saving = args.save is not None and groups.dp_rank == 0  # the replicas hold the same state: the first saves it
+    clipper = shard_model(model, optimizer, groups=groups, clip=args.max_norm is not None) if groups.fsdp > 1 else None
+    saving = args.save is not None and groups.dp_rank == 0  # the dp replicas hold the same state: the first saves it
 
     def checkpoint(out: Path, step: int, *, every: int = 0, keep: int = 0) -> None:
-        kw: dict[str, Any] = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "group": groups.tp_group,
-                              "extra": {"seed": state.seed, "samples": state.samples, "dp": groups.dp}}
-        if every:
-            every_n_steps(out, every=every, keep=keep, step=step, **kw)
-        else:
-            save_checkpoint(out, step=step, **kw)
+        with gathered(model, optimizer) as (whole, opt):  # at fsdp > 1: gathered over the fsdp ranks
+            if groups.fsdp_rank:
+                return  # the first fsdp rank of each tp rank writes
+            kw: dict[str, Any] = {"model": whole, "optimizer": opt, "scheduler": scheduler, "group": groups.tp_group,
+                                  "extra": {"seed": state.seed, "samples": state.samples, "dp": groups.dp}}
+            if every:
+                every_n_steps(out, every=every, keep=keep, step=step, **kw)
+            else:
+                save_checkpoint(out, step=step, **kw)
 
     def on_step(rec: StepRecord) -> None:
         t_first.append(time.time())
@@ -132,7 +144,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             checkpoint(args.save, rec.step, every=args.save_every, keep=args.keep)
 
     records = train_steps(model, optimizer, scheduler, state, tokens, groups=groups, options=LoopOptions(
-        steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, max_norm=args.max_norm, on_step=on_step))
+        steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, max_norm=args.max_norm, on_step=on_step,
+        clipper=clipper))
     if saving:
         checkpoint(args.save, state.step)
     return _summary(args, model, groups, records, state, first_step=first_step, source=source,

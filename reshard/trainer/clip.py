@@ -8,6 +8,11 @@ and by 0 where the index is past the global size (tp padding). The weighted sums
 TP group, are the squared norm of the unsharded model's gradient: at tp=1 it is
 `torch.nn.utils.clip_grad_norm_`'s norm. The weights come from the selections of every TP rank,
 exchanged once (as JSON) when the clipper is made.
+
+Under FSDP (`reshard.trainer.fsdp`) each parameter is a DTensor sharded on dim 0 over the fsdp ranks:
+`ShardedGradNorm` takes the per-element weights of the whole local tensor (`param_weights`, computed
+before sharding) cut like the parameter, and sums over the fsdp ranks too, so each element of the
+unsharded model still counts once.
 """
 
 from __future__ import annotations
@@ -130,5 +135,53 @@ class GlobalGradNorm:
                 p.grad.mul_(coef.to(p.grad.dtype))
         return total
 
+    def param_weights(self) -> dict[int, float | torch.Tensor]:
+        """id(parameter) -> the weight of each of its elements (a float when all share one, else a tensor
+        of the parameter's shape): what `ShardedGradNorm` cuts like the sharded parameter."""
+        out: dict[int, float | torch.Tensor] = {}
+        for p in self.params:
+            mine = [c for c in self.pieces if c.param is p]
+            ws = {c.weight for c in mine if isinstance(c.weight, float)}
+            if len(ws) == 1 and len(mine) == sum(1 for c in mine if isinstance(c.weight, float)) and \
+                    sum(torch.Size(c.size).numel() for c in mine) == p.numel():
+                out[id(p)] = ws.pop()
+                continue
+            dense = torch.zeros(p.shape, dtype=torch.float32)
+            for c in mine:
+                dense.as_strided(c.size, c.stride, c.offset).copy_(torch.as_tensor(c.weight).expand(c.size))
+            out[id(p)] = dense
+        return out
 
-__all__ = ["GlobalGradNorm", "element_weights"]
+
+class ShardedGradNorm:
+    """The unsharded model's gradient norm for FSDP-sharded (DTensor) parameters, and clipping by it:
+    `weights` pairs each parameter with its elements' weights (a float, or a tensor cut like the
+    parameter's local shard); the squared sums are all-reduced over each of `groups` (fsdp, then tp)."""
+
+    def __init__(self, weights: list[tuple[nn.Parameter, float | torch.Tensor]], *,
+                 groups: list[ProcessGroup | None]) -> None:
+        self.weights, self.groups = weights, groups
+
+    def norm(self) -> torch.Tensor:
+        """The global L2 norm of the current gradients (float32), the same on every rank of the groups."""
+        total = torch.zeros((), dtype=torch.float32, device=self.weights[0][0].device)
+        for p, w in self.weights:
+            if p.grad is None:
+                continue
+            part = p.grad.to_local().float().pow(2)
+            total += part.sum() * w if isinstance(w, float) else (part * w.to(part.device)).sum()
+        for group in self.groups:
+            dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+        return total.sqrt()
+
+    def clip(self, max_norm: float) -> torch.Tensor:
+        """As `GlobalGradNorm.clip`, on each rank's shards of the gradients; the norm."""
+        total = self.norm()
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for p, _ in self.weights:
+            if p.grad is not None:
+                p.grad.to_local().mul_(coef.to(p.grad.dtype))
+        return total
+
+
+__all__ = ["GlobalGradNorm", "ShardedGradNorm", "element_weights"]

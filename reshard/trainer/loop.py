@@ -8,7 +8,9 @@ needs to continue the run. One step:
       ->  clipped by the global norm (optional)  ->  AdamW step at the schedule's lr  ->  cursor += B
 
 The loss reported is the global batch's mean (each replica's mean, averaged over the replicas: the
-replicas' shares have the same number of tokens).
+replicas' shares have the same number of tokens). At fsdp > 1 the D = dp x fsdp data ranks share the
+batch, `fully_shard` reduce-scatters (and averages) the gradients itself, and the clipper is the one
+`reshard.trainer.fsdp.shard_model` made (`LoopOptions.clipper`).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 
-from reshard.trainer.clip import GlobalGradNorm
+from reshard.trainer.clip import GlobalGradNorm, ShardedGradNorm
 from reshard.trainer.cursor import local_share, sample_windows
 from reshard.trainer.groups import DataTensorGroups, average_gradients, mean_over
 from reshard.trainer.loss import causal_lm_loss
@@ -54,6 +56,7 @@ class LoopOptions:
     seq_len: int
     max_norm: float | None = None
     on_step: Callable[[StepRecord], None] | None = field(default=None, compare=False)
+    clipper: ShardedGradNorm | None = field(default=None, compare=False)  # an FSDP model's (made before sharding)
 
 
 def train_steps(
@@ -62,8 +65,8 @@ def train_steps(
 ) -> list[StepRecord]:
     """Run from `state.step` to `options.steps`, advancing `state`; one record per step taken."""
     device = next(model.parameters()).device
-    offset, count = local_share(options.batch_size, groups.dp, groups.dp_rank)
-    clipper = GlobalGradNorm(model, group=groups.tp_group) if options.max_norm is not None else None
+    offset, count = local_share(options.batch_size, groups.replicas, groups.data_rank)
+    clipper = (options.clipper or GlobalGradNorm(model, group=groups.tp_group)) if options.max_norm is not None else None
     params = [p for p in model.parameters() if p.requires_grad]
     records = []
     while state.step < options.steps:
@@ -71,7 +74,8 @@ def train_steps(
                                 seq_len=options.seq_len).to(device)
         loss = causal_lm_loss(model, window[:, :-1], window[:, 1:])
         loss.backward()
-        average_gradients(params, groups.dp_group, groups.dp)
+        if groups.fsdp == 1:  # fully_shard reduces the gradients itself
+            average_gradients(params, groups.dp_group, groups.dp)
         norm = clipper.clip(options.max_norm) if clipper is not None else None
         lr = float(optimizer.param_groups[0]["lr"])
         optimizer.step()
@@ -79,7 +83,7 @@ def train_steps(
         optimizer.zero_grad(set_to_none=True)
         state.step += 1
         state.samples += options.batch_size
-        record = StepRecord(state.step, mean_over(loss, groups.dp_group, groups.dp).item(), lr,
+        record = StepRecord(state.step, mean_over(loss, groups.data_group, groups.replicas).item(), lr,
                             None if norm is None else norm.item())
         records.append(record)
         if options.on_step is not None:
