@@ -108,6 +108,32 @@ def _trained(shards: str, steps: int) -> tuple[torch.nn.Module, torch.optim.Opti
     return model, optimizer, scheduler
 
 
+def _timed_rank_files(spent: list[float]) -> None:
+    """Where reshard's save time goes: the seconds in `write_rank_file` (write + sha256 + fsync) into `spent`."""
+    import reshard.trainer.snapshot as snapshot
+
+    real = snapshot.write_rank_file
+
+    def write_rank_file(*args: Any) -> str:
+        t0 = time.perf_counter()
+        try:
+            return real(*args)
+        finally:
+            spent.append(time.perf_counter() - t0)
+
+    snapshot.write_rank_file = write_rank_file
+
+
+def hash_seconds(tensors: dict[str, tuple[torch.Tensor, dict[str, Any]]]) -> float:
+    """The seconds sha256 of this rank's share alone takes (what reshard's save does beyond writing)."""
+    from reshard.fill.into_params import byte_view
+
+    t0, sha = time.perf_counter(), hashlib.sha256()
+    for t, _ in tensors.values():
+        sha.update(byte_view(t.detach().contiguous()))
+    return time.perf_counter() - t0
+
+
 def save_job(shards: str, work: Path, *, reps: int, steps: int) -> None:
     from reshard.trainer.snapshot import save_checkpoint
 
@@ -131,19 +157,25 @@ def save_job(shards: str, work: Path, *, reps: int, steps: int) -> None:
            DCP_PLAIN: lambda: dcp.save(plain, storage_writer=dcp.FileSystemWriter(work / CKPT[DCP_PLAIN])),
            DCP_ASYNC: async_save}
     runs: dict[str, list[dict[str, float]]] = {k: [] for k in ops}
+    spent: list[float] = []
+    _timed_rank_files(spent)
     for r in range(reps + 1):  # round 0: the warm-up
         for name, op in ops.items():
             if rank == 0:
                 shutil.rmtree(work / CKPT[name], ignore_errors=True)
                 os.sync()  # the previous case's dirty pages written back outside the timing
+            spent.clear()
             rec = timed(op, barrier=True)
+            if name == RESHARD:
+                rec["rank_files_s"] = sum(spent)
             if name == DCP_ASYNC:
                 done = timed(lambda: pending.pop().result(), barrier=True)
                 rec.update(blocking_s=rec["s"], s=rec["s"] + done["s"], rss_peak_mib=max(rec["rss_peak_mib"], done["rss_peak_mib"]))
             if r:
                 runs[name].append(rec)
     share = sum(t.numel() * t.element_size() for t, _ in tensors.values())
-    (work / f"save-rank-{rank}.json").write_text(json.dumps({"rank": rank, "tp": tp, "share_bytes": share, "runs": runs}))
+    (work / f"save-rank-{rank}.json").write_text(json.dumps({"rank": rank, "tp": tp, "share_bytes": share, "runs": runs,
+                                                                "sha256_s": hash_seconds(tensors)}))
     shutil.rmtree(work / CKPT[DCP_ASYNC], ignore_errors=True) if rank == 0 else None
     dist.barrier()
     dist.destroy_process_group()
