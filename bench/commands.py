@@ -26,6 +26,7 @@ COMMANDS = {
     "s3_write": "compare_s3_write",
     "stores": "compare_stores",
     "vllm": "compare_vllm",
+    "checkpoint": "compare_checkpoint",
     "serve_options": "serve_options",
     "gather": "gather",
     "profile_write": "profile_write",

@@ -11,7 +11,7 @@ Sources: the service settings class (`reshard.service.serve_settings.Settings`) 
 `reshard serve`; the library's settings class (`reshard.settings.LibrarySettings`, with the service's:
 every `RESHARD_*` variable, docs/settings.md); the benchmark results in
 `bench/results/` (`quick.json`, `full.json` from `./run bench [--full]`, `stores.md`, `s3_write.md`,
-`trainer_support.json`); the plan tests' results `tests/rules/tp_plans/results/coverage.json` (rendered by
+`checkpoint.md`, `trainer_support.json`); the plan tests' results `tests/rules/tp_plans/results/coverage.json` (rendered by
 `scripts/coverage_table.py`). Only the text between the markers is touched.
 """
 
@@ -284,6 +284,13 @@ def gen_bench_direct() -> str:
     return _results_md("direct_reads.md")
 
 
+def gen_bench_checkpoint() -> str:
+    """Training checkpoints against torch DCP (bench/compare_checkpoint.py, bench/results/checkpoint.md): the
+    file as written, its blank lines kept between its tables."""
+    head, *rest = (RESULTS / "checkpoint.md").read_text(encoding="utf-8").rstrip("\n").split("\n")
+    return "\n".join([f"From `bench/results/checkpoint.md`, {head.removeprefix('# ').strip()}.", *rest])
+
+
 def _fill_meta(data: dict[str, Any], name: str) -> str:
     meta = data["meta"]
     return (f"`{meta['command']}` (`bench/results/{name}`, {meta['date']}, commit {meta['git']['commit']}): medians of "
@@ -438,6 +445,7 @@ GENERATORS: dict[str, Callable[[], str]] = {
     "bench-s3-write": gen_bench_s3_write,
     "bench-store-serve": gen_bench_store_serve,
     "bench-direct": gen_bench_direct,
+    "bench-checkpoint": gen_bench_checkpoint,
     "bench-fill": gen_bench_fill,
     "bench-link": gen_bench_link,
     "bench-vllm": gen_bench_vllm,

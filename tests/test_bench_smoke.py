@@ -96,7 +96,7 @@ def test_interleaved_write_comparison_produces_results(tmp_path: Path) -> None:
 @pytest.mark.pure
 def test_every_comparison_file_is_a_command_named_after_it() -> None:
     files = sorted(p.stem for p in BENCH.glob("compare_*.py"))
-    assert len(files) == 11
+    assert len(files) == 12
     assert {n: m for n, m in commands.COMMANDS.items() if m.startswith("compare_")} == {
         f.removeprefix("compare_"): f for f in files}
     assert all((BENCH / f"{m}.py").is_file() for m in commands.COMMANDS.values())
@@ -139,3 +139,18 @@ def test_a_name_runs_that_modules_main_and_the_rest_is_the_suite(monkeypatch: py
                      ("suite", ["--full", "--only", "write"]), ("suite", [])]
     with pytest.raises(SystemExit, match="no command 'nope'; known: list, write, serve, train, plan"):
         commands.dispatch(["nope"])
+
+
+@pytest.mark.pure
+def test_checkpoint_bench_places_each_tensor_as_its_rank_header_cuts_it() -> None:
+    """bench/compare_checkpoint's DTensors: Shard(d) where the rank holds its even slice of dim d, else Replicate."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    from bench.checkpoint_worker import placement
+
+    column = {"kind": "column", "shape": [8, 4], "select": [[[4, 8]], [[0, 4]]]}
+    row = {"kind": "row", "shape": [8, 4], "select": [[[0, 8]], [[0, 2]]]}
+    norm = {"kind": "replicate", "shape": [4], "select": [[[0, 4]]]}
+    assert (placement(column, 2, 1), placement(row, 2, 0), placement(norm, 2, 1)) == (Shard(0), Shard(1), Replicate())
+    with pytest.raises(SystemExit, match="not one even slice"):
+        placement({"kind": "vocab_embed", "shape": [7, 4], "select": [[[4, 7]], [[0, 4]]]}, 2, 1)  # padded
