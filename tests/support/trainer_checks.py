@@ -24,6 +24,7 @@ from safetensors import safe_open
 from reshard.cli.train import main as train_main
 from reshard.errors import ReshardError
 from reshard.fill.experts import shard_layout
+from reshard.format.rank_file import OPTIMIZER_DIR, rank_file_name
 from reshard.trainer import build_model, causal_lm_loss, save_rank_shard
 from tests.support.dist import run_distributed
 
@@ -193,3 +194,13 @@ def rank_tensors(path: Path) -> dict[str, torch.Tensor]:
     """The tensors of one rank file."""
     with safe_open(str(path), "pt") as f:
         return {k: f.get_tensor(k) for k in f.keys()}
+
+
+def checkpoint_tensors(ckpt: Path, tp: int) -> dict[str, torch.Tensor]:
+    """Every tensor of a training checkpoint's tp rank files, parameters and optimizer moments, keyed
+    `SUBDIR/RANK/NAME`."""
+    out = {}
+    for r in range(tp):
+        for sub in (".", OPTIMIZER_DIR):
+            out.update({f"{sub}/{r}/{k}": v for k, v in rank_tensors(ckpt / sub / rank_file_name(r, tp)).items()})
+    return out

@@ -33,6 +33,7 @@ from reshard.io.sinks.hf_checkpoint import merge
 from reshard.trainer.state_json import STATE_NAME, read_state
 from tests.support.dist import run_distributed
 from tests.support.trainer_archs import make_checkpoint, write_shards
+from tests.support.trainer_checks import checkpoint_tensors
 
 # the schedule and clipping on: a resume must restore the scheduler and continue the data cursor exactly
 COMMON = ["--seq-len", "16", "--batch-size", "2", "--seed", "3", "--lr", "1e-3", "--warmup", "2", "--min-lr", "1e-4",
@@ -65,16 +66,8 @@ def _metrics(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
-def _tensors(ckpt: Path, tp: int) -> dict[str, torch.Tensor]:
-    out = {}
-    for r in range(tp):
-        for sub in (".", OPTIMIZER_DIR):
-            out.update({f"{sub}/{r}/{k}": v for k, v in load_file(ckpt / sub / rank_file_name(r, tp)).items()})
-    return out
-
-
 def _assert_same_state(a: Path, b: Path, tp: int) -> None:
-    ta, tb = _tensors(a, tp), _tensors(b, tp)
+    ta, tb = checkpoint_tensors(a, tp), checkpoint_tensors(b, tp)
     assert sorted(ta) == sorted(tb)
     unequal = [k for k in ta if not torch.equal(ta[k], tb[k])]
     assert unequal == [], unequal[:5]

@@ -19,10 +19,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from reshard.format.rank_file import OPTIMIZER_DIR, rank_file_name
+from reshard.format.rank_file import OPTIMIZER_DIR
 from reshard.io.sinks.hf_checkpoint import merge
 from tests.support.dist import run_distributed
 from tests.support.trainer_archs import make_checkpoint, write_shards
+from tests.support.trainer_checks import checkpoint_tensors
 
 COMMON = ["--seq-len", "16", "--batch-size", "2", "--seed", "3", "--lr", "1e-3", "--warmup", "2", "--min-lr", "1e-4",
           "--max-norm", "0.5", "--dtype", "float32", "--threads", "1"]
@@ -74,20 +75,12 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-def _tensors(ckpt: Path, tp: int) -> dict[str, torch.Tensor]:
-    out = {}
-    for r in range(tp):
-        for sub in (".", OPTIMIZER_DIR):
-            out.update({f"{sub}/{r}/{k}": v for k, v in load_file(ckpt / sub / rank_file_name(r, tp)).items()})
-    return out
-
-
 @pytest.mark.multiproc
 def test_moe_resume_at_tp2_is_exact(runs: Path) -> None:
     a, b = _metrics(runs / "a.json"), _metrics(runs / "b.json")
     assert (a["tp"], b["tp"], b["first_step"], len(b["losses"])) == (2, 2, 4, 3)
     assert b["losses"] == a["losses"][3:]  # bit for bit
-    ta, tb = _tensors(runs / "a", 2), _tensors(runs / "b", 2)
+    ta, tb = checkpoint_tensors(runs / "a", 2), checkpoint_tensors(runs / "b", 2)
     assert sorted(ta) == sorted(tb)
     assert any(".experts." in k and k.endswith(".exp_avg_sq") for k in ta), sorted(ta)[:5]  # the fused experts' moments
     unequal = [k for k in ta if not torch.equal(ta[k], tb[k])]
