@@ -59,7 +59,7 @@ def _operations(srv: LiveServer) -> list[tuple[str, str, dict[str, Any]]]:
     for path, item in spec["paths"].items():
         for method, op in item.items():
             params = {p["name"] for p in op.get("parameters", [])}
-            url = path.format(name="llama", rank=0, job_id="0" * 32, filename="config.json")
+            url = path.format(name="llama", rank=0, job_id="0" * 32, filename="config.json", part="optimizer")
             kw: dict[str, Any] = {"params": {"tp": 1} if "tp" in params else {}}
             if method == "put" and path.endswith("/rules"):
                 kw["json"] = {"rules": [{"pattern": "*", "kind": "replicate"}]}
@@ -81,7 +81,7 @@ def _record(guarded: dict[str, Any], r: httpx.Response) -> httpx.Response:
 def test_every_route_needs_the_token(guarded: dict[str, Any]) -> None:
     srv, root, out = guarded["srv"], guarded["root"], guarded["out"]
     ops = _operations(srv)
-    assert len(ops) == 16 and {"PUT", "POST", "HEAD"} <= {m for m, _, _ in ops}
+    assert len(ops) == 19 and {"PUT", "POST", "HEAD"} <= {m for m, _, _ in ops}
     before = tree(root), tree(out) if out.exists() else {}
     with httpx.Client(base_url=srv.url, timeout=30) as http:
         for method, url, kw in ops:

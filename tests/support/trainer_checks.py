@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import io
+import json
 import os
 import socket
 import subprocess
@@ -204,3 +205,22 @@ def checkpoint_tensors(ckpt: Path, tp: int) -> dict[str, torch.Tensor]:
         for sub in (".", OPTIMIZER_DIR):
             out.update({f"{sub}/{r}/{k}": v for k, v in rank_tensors(ckpt / sub / rank_file_name(r, tp)).items()})
     return out
+
+
+# a run with the schedule and clipping on: a resume must restore the scheduler and continue the data cursor exactly
+RESUME_ARGS = ["--seq-len", "16", "--batch-size", "2", "--seed", "3", "--lr", "1e-3", "--warmup", "2", "--min-lr", "1e-4",
+               "--max-norm", "0.5", "--dtype", "float32", "--threads", "1"]
+RESUME_STEPS = 6
+
+
+def train_here(*args: str) -> tuple[int, str, str]:
+    """`reshard.cli.train.main` in this process with `RESUME_ARGS`: (exit status, stdout, stderr)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = train_main([*args, *RESUME_ARGS])
+    return rc, out.getvalue(), err.getvalue()
+
+
+def read_metrics(path: Path) -> dict[str, Any]:
+    """A run's `--metrics` JSON."""
+    return json.loads(Path(path).read_text())

@@ -21,7 +21,7 @@ from reshard.trainer.groups import make_groups
 from reshard.trainer.state_json import read_state
 from tests.support.dist import run_distributed
 from tests.support.trainer_archs import make_checkpoint, write_shards
-from tests.trainer.test_resume import COMMON, STEPS, _metrics, _train
+from tests.support.trainer_checks import RESUME_ARGS, RESUME_STEPS, read_metrics, train_here
 
 TOL = 1e-5  # float32 reduction-order noise on the tiny llama's losses
 
@@ -43,7 +43,7 @@ def _job(rank: int, world: int, shards: str, root: str) -> None:
     from reshard.cli.train import parse_args, train
 
     os.environ["WORLD_SIZE"] = str(world)
-    steps = ["--steps", str(STEPS), *COMMON]
+    steps = ["--steps", str(RESUME_STEPS), *RESUME_ARGS]
     train(parse_args(["--shards", shards, "--dp", "2", "--save", f"{root}/d", "--save-every", "3",
                       "--metrics", f"{root}/d.json", *steps]))
     train(parse_args(["--shards", shards, "--fsdp", "2", "--save", f"{root}/f", "--save-every", "3",
@@ -57,13 +57,13 @@ def _job(rank: int, world: int, shards: str, root: str) -> None:
 @pytest.fixture(scope="module")
 def runs(shards: Path) -> Path:
     root = shards / "runs"
-    rc, _, err = _train("--shards", str(shards / "tp1"), "--steps", str(STEPS), "--metrics", str(root / "ref.json"))
+    rc, _, err = train_here("--shards", str(shards / "tp1"), "--steps", str(RESUME_STEPS), "--metrics", str(root / "ref.json"))
     assert rc == 0, err
     from reshard.cli.train import main
 
     with contextlib.redirect_stdout(io.StringIO()):  # the reference of the HSDP run: a global batch of 4
-        assert main(["--shards", str(shards / "tp1"), "--steps", str(STEPS), "--metrics", str(root / "ref4.json"),
-                     *COMMON, "--batch-size", "4"]) == 0
+        assert main(["--shards", str(shards / "tp1"), "--steps", str(RESUME_STEPS), "--metrics", str(root / "ref4.json"),
+                     *RESUME_ARGS, "--batch-size", "4"]) == 0
     run_distributed(_job, 4, str(shards / "tp2"), str(root), timeout=240)
     return root
 
@@ -77,8 +77,8 @@ def test_fsdp_training_matches_the_unsharded_run(runs: Path) -> None:
     """fsdp=2 x tp=2 and dp=2 x fsdp=2 x tp=1 see the same global batch as tp=1: the same losses and
     clipping norms (clipping on), within float32 noise."""
     for name, layout, batch in (("f", {"dp": 1, "fsdp": 2, "tp": 2}, 2), ("h", {"dp": 2, "fsdp": 2, "tp": 1}, 4)):
-        m, ref = _metrics(runs / f"{name}.json"), _metrics(runs / ("ref.json" if batch == 2 else "ref4.json"))
-        assert (m["layout"], m["samples"], len(m["losses"])) == (layout, STEPS * batch, STEPS)
+        m, ref = read_metrics(runs / f"{name}.json"), read_metrics(runs / ("ref.json" if batch == 2 else "ref4.json"))
+        assert (m["layout"], m["samples"], len(m["losses"])) == (layout, RESUME_STEPS * batch, RESUME_STEPS)
         d, n = _diff(m["losses"], ref["losses"]), _diff(m["grad_norms"], ref["grad_norms"])
         print(f"{layout} vs tp=1: max |loss diff| {d:.3g}, max |grad norm diff| {n:.3g}")
         assert d < TOL and n < 1e-4 * max(ref["grad_norms"])
@@ -90,7 +90,7 @@ def test_fsdp_checkpoint_is_the_tp_checkpoint(runs: Path) -> None:
     """Saved at fsdp=2 x tp=2, the checkpoint is tp=2 rank files (gathered over fsdp) holding what the
     dp=2 x tp=2 run saved, within float32 noise, and it resumes exactly at fsdp=2 x tp=2."""
     worst = 0.0
-    for step, at in ((3, "step-3"), (STEPS, ".")):  # the checkpoint of step 3 and the final one
+    for step, at in ((3, "step-3"), (RESUME_STEPS, ".")):  # the checkpoint of step 3 and the final one
         f, d = runs / "f" / at, runs / "d" / at
         state = read_state(f)
         assert state is not None and (state["layout"]["tp"], state["step"]) == (2, step)
@@ -102,14 +102,14 @@ def test_fsdp_checkpoint_is_the_tp_checkpoint(runs: Path) -> None:
                     torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=1e-4, msg=k)
                 worst = max(worst, max(float((a[k] - b[k]).abs().max()) for k in a))
     print(f"checkpoints saved at fsdp=2 x tp=2 vs dp=2 x tp=2: max |diff| {worst:.3g}")
-    rf, fm = _metrics(runs / "rf.json"), _metrics(runs / "f.json")
+    rf, fm = read_metrics(runs / "rf.json"), read_metrics(runs / "f.json")
     assert rf["first_step"] == 4 and rf["losses"] == fm["losses"][3:]  # bit for bit
 
 
 @pytest.mark.multiproc
 def test_resume_at_fsdp2_tp2_from_a_tp2_checkpoint(runs: Path) -> None:
-    rd, ref = _metrics(runs / "rd.json"), _metrics(runs / "d.json")["losses"][3:]
-    assert (rd["layout"], rd["first_step"], rd["samples"]) == ({"dp": 1, "fsdp": 2, "tp": 2}, 4, STEPS * 2)
+    rd, ref = read_metrics(runs / "rd.json"), read_metrics(runs / "d.json")["losses"][3:]
+    assert (rd["layout"], rd["first_step"], rd["samples"]) == ({"dp": 1, "fsdp": 2, "tp": 2}, 4, RESUME_STEPS * 2)
     d = _diff(rd["losses"], ref)
     print(f"resumed at fsdp=2 x tp=2 vs the tp=2 run: max |loss diff| {d:.3g}")
     assert d < TOL

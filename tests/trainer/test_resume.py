@@ -7,10 +7,7 @@ tp=2 in two gloo ranks (one `run_distributed` for all the tp=2 runs).
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import io
-import json
 import os
 import shutil
 import signal
@@ -33,12 +30,13 @@ from reshard.io.sinks.hf_checkpoint import merge
 from reshard.trainer.state_json import STATE_NAME, read_state
 from tests.support.dist import run_distributed
 from tests.support.trainer_archs import make_checkpoint, write_shards
-from tests.support.trainer_checks import checkpoint_tensors
-
-# the schedule and clipping on: a resume must restore the scheduler and continue the data cursor exactly
-COMMON = ["--seq-len", "16", "--batch-size", "2", "--seed", "3", "--lr", "1e-3", "--warmup", "2", "--min-lr", "1e-4",
-          "--max-norm", "0.5", "--dtype", "float32", "--threads", "1"]
-STEPS = 6
+from tests.support.trainer_checks import (
+    RESUME_ARGS,
+    RESUME_STEPS,
+    checkpoint_tensors,
+    read_metrics,
+    train_here,
+)
 
 
 @pytest.fixture(scope="module")
@@ -50,20 +48,6 @@ def shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
     for tp in (1, 2):
         write_shards(full, tp, root / f"tp{tp}")
     return root
-
-
-def _train(*args: str) -> tuple[int, str, str]:
-    """`reshard.cli.train.main` in this process: (exit status, stdout, stderr)."""
-    from reshard.cli.train import main
-
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        rc = main([*args, *COMMON])
-    return rc, out.getvalue(), err.getvalue()
-
-
-def _metrics(path: Path) -> dict[str, Any]:
-    return json.loads(path.read_text())
 
 
 def _assert_same_state(a: Path, b: Path, tp: int) -> None:
@@ -90,10 +74,10 @@ def test_optimizer_tensor_names_round_trip() -> None:
 def tp1_runs(shards: Path) -> Path:
     """At tp=1, in process: 6 steps checkpointed every step keeping 4, then resumed from step-3 to 6."""
     root = shards / "runs1"
-    rc, out, err = _train("--shards", str(shards / "tp1"), "--steps", str(STEPS), "--save", str(root / "a"),
+    rc, out, err = train_here("--shards", str(shards / "tp1"), "--steps", str(RESUME_STEPS), "--save", str(root / "a"),
                           "--save-every", "1", "--keep", "4", "--metrics", str(root / "a.json"))
     assert rc == 0, err
-    rc, out, err = _train("--resume", str(root / "a" / "step-3"), "--steps", str(STEPS), "--save", str(root / "b"),
+    rc, out, err = train_here("--resume", str(root / "a" / "step-3"), "--steps", str(RESUME_STEPS), "--save", str(root / "b"),
                           "--metrics", str(root / "b.json"))
     assert rc == 0, err
     assert f"resumed from {root / 'a' / 'step-3'} at step 3" in out
@@ -102,7 +86,7 @@ def tp1_runs(shards: Path) -> Path:
 
 @pytest.mark.pure
 def test_tp1_resume_is_exact(tp1_runs: Path) -> None:
-    a, b = _metrics(tp1_runs / "a.json"), _metrics(tp1_runs / "b.json")
+    a, b = read_metrics(tp1_runs / "a.json"), read_metrics(tp1_runs / "b.json")
     assert (a["first_step"], b["first_step"], len(b["losses"])) == (1, 4, 3)
     assert b["losses"] == a["losses"][3:]  # bit for bit
     assert b["resumed_from"] == str(tp1_runs / "a" / "step-3")
@@ -134,10 +118,10 @@ def test_checkpoint_holds_adamw_moments(tp1_runs: Path) -> None:
 
 @pytest.mark.pure
 def test_weights_only_resume_starts_fresh(shards: Path, tp1_runs: Path) -> None:
-    rc, out, err = _train("--resume", str(shards / "tp1"), "--steps", "2", "--metrics", str(tp1_runs / "w.json"))
+    rc, out, err = train_here("--resume", str(shards / "tp1"), "--steps", "2", "--metrics", str(tp1_runs / "w.json"))
     assert rc == 0, err
     assert f"{shards / 'tp1'}: weights only (no {STATE_NAME}): starting with a fresh optimizer at step 0" in out
-    w, a = _metrics(tp1_runs / "w.json"), _metrics(tp1_runs / "a.json")
+    w, a = read_metrics(tp1_runs / "w.json"), read_metrics(tp1_runs / "a.json")
     assert w["first_step"] == 1 and w["losses"] == a["losses"][:2]  # the same as --shards
 
 
@@ -148,11 +132,11 @@ def test_corrupt_or_incomplete_checkpoint_is_one_clear_error(tp1_runs: Path, tmp
     data = bytearray(opt.read_bytes())
     data[-3] ^= 0xFF
     opt.write_bytes(bytes(data))
-    rc, out, err = _train("--resume", str(bad), "--steps", str(STEPS))
+    rc, out, err = train_here("--resume", str(bad), "--steps", str(RESUME_STEPS))
     assert rc == 1 and "step " not in out.replace("at step", "")
     assert err.strip().count("\n") == 0 and "does not match the recorded" in err, err
     opt.unlink()
-    rc, out, err = _train("--resume", str(bad), "--steps", str(STEPS))
+    rc, out, err = train_here("--resume", str(bad), "--steps", str(RESUME_STEPS))
     assert rc == 1 and "incomplete checkpoint" in err and "resume from an earlier checkpoint" in err, err
 
 
@@ -164,13 +148,13 @@ def _tp2_job(rank: int, world: int, shards: str, root: str) -> None:
     from reshard.cli.train import parse_args, train
 
     os.environ["WORLD_SIZE"] = str(world)
-    train(parse_args(["--shards", shards, "--steps", str(STEPS), "--save", f"{root}/a", "--save-every", "3",
-                      "--metrics", f"{root}/a.json", *COMMON]))
-    train(parse_args(["--resume", f"{root}/a/step-3", "--steps", str(STEPS), "--save", f"{root}/b",
-                      "--metrics", f"{root}/b.json", *COMMON]))
+    train(parse_args(["--shards", shards, "--steps", str(RESUME_STEPS), "--save", f"{root}/a", "--save-every", "3",
+                      "--metrics", f"{root}/a.json", *RESUME_ARGS]))
+    train(parse_args(["--resume", f"{root}/a/step-3", "--steps", str(RESUME_STEPS), "--save", f"{root}/b",
+                      "--metrics", f"{root}/b.json", *RESUME_ARGS]))
     # the same checkpoint at dp=2 x tp=1: each replica cuts the whole model out of the tp=2 files
-    train(parse_args(["--resume", f"{root}/a/step-3", "--steps", str(STEPS), "--dp", "2",
-                      "--metrics", f"{root}/dp2.json", *COMMON]))
+    train(parse_args(["--resume", f"{root}/a/step-3", "--steps", str(RESUME_STEPS), "--dp", "2",
+                      "--metrics", f"{root}/dp2.json", *RESUME_ARGS]))
 
 
 def _killed_job(rank: int, world: int, shards: str, root: str) -> None:
@@ -188,7 +172,7 @@ def _killed_job(rank: int, world: int, shards: str, root: str) -> None:
 
     snapshot.write_rank_file = dying
     os.environ["WORLD_SIZE"] = str(world)
-    train(parse_args(["--shards", shards, "--steps", "3", "--save", f"{root}/k", "--save-every", "1", *COMMON]))
+    train(parse_args(["--shards", shards, "--steps", "3", "--save", f"{root}/k", "--save-every", "1", *RESUME_ARGS]))
 
 
 @pytest.fixture(scope="module")
@@ -201,11 +185,11 @@ def tp2_runs(shards: Path) -> Path:
 @pytest.mark.multiproc
 def test_tp2_resume_is_exact_and_matches_tp1(tp2_runs: Path, tp1_runs: Path) -> None:
     root = tp2_runs
-    a, b = _metrics(root / "a.json"), _metrics(root / "b.json")
+    a, b = read_metrics(root / "a.json"), read_metrics(root / "b.json")
     assert (a["tp"], b["tp"], b["first_step"]) == (2, 2, 4)
     assert b["losses"] == a["losses"][3:]  # bit for bit
     _assert_same_state(root / "a", root / "b", 2)
-    ref = _metrics(tp1_runs / "a.json")["losses"]
+    ref = read_metrics(tp1_runs / "a.json")["losses"]
     diff = max(abs(x - y) for x, y in zip(a["losses"], ref, strict=True))
     print(f"tp=2 vs tp=1 losses: max |diff| {diff:.3g}")
     assert diff < 1e-5
@@ -222,7 +206,7 @@ def _tp4_job(rank: int, world: int, root: str) -> None:
     from reshard.cli.train import parse_args, train
 
     os.environ["WORLD_SIZE"] = str(world)
-    train(parse_args(["--resume", f"{root}/a/step-3", "--steps", str(STEPS), "--metrics", f"{root}/tp4.json", *COMMON]))
+    train(parse_args(["--resume", f"{root}/a/step-3", "--steps", str(RESUME_STEPS), "--metrics", f"{root}/tp4.json", *RESUME_ARGS]))
 
 
 @pytest.mark.multiproc
@@ -230,15 +214,15 @@ def test_resume_at_another_tp_agrees(tp2_runs: Path) -> None:
     """The tp=2 checkpoint of step 3 resumed at tp=1 (in process), tp=4 and dp=2 x tp=1 (gloo), each rank
     cutting its slices of the parameters and moments as it reads them: steps 4-6 agree with the tp=2 run."""
     root = tp2_runs
-    rc, out, err = _train("--resume", str(root / "a" / "step-3"), "--steps", str(STEPS),
+    rc, out, err = train_here("--resume", str(root / "a" / "step-3"), "--steps", str(RESUME_STEPS),
                           "--metrics", str(root / "tp1.json"))
     assert rc == 0, err
     assert "(saved at tp=2, cut to tp=1 as read)" in out
     run_distributed(_tp4_job, 4, str(root), timeout=120)
-    ref = _metrics(root / "a.json")["losses"][3:]
+    ref = read_metrics(root / "a.json")["losses"][3:]
     for name, layout in (("tp1", {"dp": 1, "tp": 1}), ("tp4", {"dp": 1, "tp": 4}), ("dp2", {"dp": 2, "tp": 1})):
-        m = _metrics(root / f"{name}.json")
-        assert (m["layout"], m["first_step"], m["samples"]) == (layout, 4, STEPS * 2)
+        m = read_metrics(root / f"{name}.json")
+        assert (m["layout"], m["first_step"], m["samples"]) == (layout, 4, RESUME_STEPS * 2)
         diff = max(abs(x - y) for x, y in zip(m["losses"], ref, strict=True))
         print(f"resumed at {layout} vs tp=2: max |loss diff| {diff:.3g}")
         assert diff < 1e-5

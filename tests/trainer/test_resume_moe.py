@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import json
 import os
 from pathlib import Path
 from typing import Any
@@ -23,11 +22,8 @@ from reshard.format.rank_file import OPTIMIZER_DIR
 from reshard.io.sinks.hf_checkpoint import merge
 from tests.support.dist import run_distributed
 from tests.support.trainer_archs import make_checkpoint, write_shards
-from tests.support.trainer_checks import checkpoint_tensors
+from tests.support.trainer_checks import RESUME_ARGS, RESUME_STEPS, checkpoint_tensors, read_metrics
 
-COMMON = ["--seq-len", "16", "--batch-size", "2", "--seed", "3", "--lr", "1e-3", "--warmup", "2", "--min-lr", "1e-4",
-          "--max-norm", "0.5", "--dtype", "float32", "--threads", "1"]
-STEPS = 6
 LOSS_ATOL = 1e-5  # float32 reduction-order noise over 3 steps (measured: about 1e-6)
 
 
@@ -35,26 +31,22 @@ def _train(*args: str) -> dict[str, Any]:
     from reshard.cli.train import parse_args, train
 
     with contextlib.redirect_stdout(io.StringIO()):
-        return train(parse_args([*args, *COMMON]))
-
-
-def _metrics(path: Path) -> dict[str, Any]:
-    return json.loads(path.read_text())
+        return train(parse_args([*args, *RESUME_ARGS]))
 
 
 def _tp2_job(rank: int, world: int, shards: str, root: str) -> None:
     """The uninterrupted 6-step tp=2 run checkpointing at step 3, then the resume from step-3 at tp=2."""
     os.environ["WORLD_SIZE"] = str(world)
     torch.set_num_threads(1)
-    _train("--shards", shards, "--steps", str(STEPS), "--save", f"{root}/a", "--save-every", "3",
+    _train("--shards", shards, "--steps", str(RESUME_STEPS), "--save", f"{root}/a", "--save-every", "3",
            "--metrics", f"{root}/a.json")
-    _train("--resume", f"{root}/a/step-3", "--steps", str(STEPS), "--save", f"{root}/b", "--metrics", f"{root}/b.json")
+    _train("--resume", f"{root}/a/step-3", "--steps", str(RESUME_STEPS), "--save", f"{root}/b", "--metrics", f"{root}/b.json")
 
 
 def _tp4_job(rank: int, world: int, root: str) -> None:
     os.environ["WORLD_SIZE"] = str(world)
     torch.set_num_threads(1)
-    _train("--resume", f"{root}/a/step-3", "--steps", str(STEPS), "--metrics", f"{root}/tp4.json")
+    _train("--resume", f"{root}/a/step-3", "--steps", str(RESUME_STEPS), "--metrics", f"{root}/tp4.json")
 
 
 @pytest.fixture(scope="module")
@@ -67,17 +59,17 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     full = make_checkpoint("qwen3_moe", root / "full")
     for tp in (1, 2):
         write_shards(full, tp, root / f"tp{tp}")
-    _train("--shards", str(root / "tp1"), "--steps", str(STEPS), "--save", str(root / "r1"), "--save-every", "3",
+    _train("--shards", str(root / "tp1"), "--steps", str(RESUME_STEPS), "--save", str(root / "r1"), "--save-every", "3",
            "--metrics", str(root / "r1.json"))
     run_distributed(_tp2_job, 2, str(root / "tp2"), str(root), timeout=180)
-    _train("--resume", str(root / "a" / "step-3"), "--steps", str(STEPS), "--metrics", str(root / "tp1.json"))
+    _train("--resume", str(root / "a" / "step-3"), "--steps", str(RESUME_STEPS), "--metrics", str(root / "tp1.json"))
     run_distributed(_tp4_job, 4, str(root), timeout=180)
     return root
 
 
 @pytest.mark.multiproc
 def test_moe_resume_at_tp2_is_exact(runs: Path) -> None:
-    a, b = _metrics(runs / "a.json"), _metrics(runs / "b.json")
+    a, b = read_metrics(runs / "a.json"), read_metrics(runs / "b.json")
     assert (a["tp"], b["tp"], b["first_step"], len(b["losses"])) == (2, 2, 4, 3)
     assert b["losses"] == a["losses"][3:]  # bit for bit
     ta, tb = checkpoint_tensors(runs / "a", 2), checkpoint_tensors(runs / "b", 2)
@@ -89,12 +81,12 @@ def test_moe_resume_at_tp2_is_exact(runs: Path) -> None:
 
 @pytest.mark.multiproc
 def test_moe_resume_at_tp1_and_tp4_agrees(runs: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    ref = _metrics(runs / "a.json")["losses"][3:]
-    tp1 = _metrics(runs / "r1.json")["losses"]
-    diffs = {"uninterrupted tp=1": max(abs(x - y) for x, y in zip(_metrics(runs / "a.json")["losses"], tp1, strict=True))}
+    ref = read_metrics(runs / "a.json")["losses"][3:]
+    tp1 = read_metrics(runs / "r1.json")["losses"]
+    diffs = {"uninterrupted tp=1": max(abs(x - y) for x, y in zip(read_metrics(runs / "a.json")["losses"], tp1, strict=True))}
     for name, layout in (("tp1", {"dp": 1, "tp": 1}), ("tp4", {"dp": 1, "tp": 4})):
-        m = _metrics(runs / f"{name}.json")
-        assert (m["layout"], m["first_step"], m["samples"]) == (layout, 4, STEPS * 2)
+        m = read_metrics(runs / f"{name}.json")
+        assert (m["layout"], m["first_step"], m["samples"]) == (layout, 4, RESUME_STEPS * 2)
         diffs[f"resumed at tp={layout['tp']}"] = max(abs(x - y) for x, y in zip(m["losses"], ref, strict=True))
     with capsys.disabled():
         print("\nqwen3_moe vs the tp=2 run, max |loss diff|: " + ", ".join(f"{k} {v:.2e}" for k, v in diffs.items()))
