@@ -128,9 +128,10 @@ def test_upload_cut_by_a_killed_worker_leaves_no_temp_file(tmp_path: Path) -> No
         os.kill(pid, signal.SIGKILL)
         assert isinstance(up.finish(), httpx.HTTPError)  # the connection died with the worker
         assert wait_for(lambda: healthy(srv) and pid not in workers(srv), timeout=60), srv.log()
-        # the replacement worker removed the dead one's temp file, and the directory the upload created
+        # the replacement worker removes the dead one's temp file, then the directory the upload created
+        # (two steps: wait for both, not for the first alone)
         assert wait_for(lambda: not tmp.exists(), timeout=30), temps(root, ".upload-")
-        assert not (root / "fresh").exists(), list((root / "fresh").iterdir())
+        assert wait_for(lambda: not (root / "fresh").exists(), timeout=30), list((root / "fresh").iterdir())
         ok = httpx.put(srv.ckpt_url("fresh") + "/files/model.safetensors",
                        content=save({"w": torch.ones(4)}), timeout=30)
         assert ok.status_code == 201, ok.text
