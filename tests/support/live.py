@@ -340,3 +340,16 @@ def sendfile_bytes(ckpt: Path, tp: int, rank: int, lo: int, hi: int) -> int:
                 total += part
             pos += seg.nbytes
     return total
+
+
+def run_job(url: str, name: str, tp: int, *, timeout: float = 60) -> dict[str, Any]:
+    """POST a write job for checkpoint `name` at `tp` to the service at `url` and poll it until it ends
+    (or `timeout` seconds pass); the job as last seen."""
+    r = httpx.post(f"{url}/v1/checkpoints/{name}/jobs", json={"tp": tp}, timeout=30)
+    assert r.status_code == 202, r.text
+    job = r.json()
+    deadline = time.monotonic() + timeout
+    while job["state"] in ("queued", "running") and time.monotonic() < deadline:
+        time.sleep(0.05)
+        job = httpx.get(f"{url}/v1/jobs/{job['id']}", timeout=30).json()
+    return job

@@ -5,7 +5,6 @@ freed whose output is byte-identical to an uninterrupted run (a pull resumes fro
 from __future__ import annotations
 
 import shutil
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,7 +25,7 @@ from tests.support.fs import (
     listing,
     reshard,
 )
-from tests.support.live import CuttingProxy, LiveServer, live_server
+from tests.support.live import CuttingProxy, LiveServer, live_server, run_job
 
 pytestmark = pytest.mark.servers
 
@@ -178,17 +177,6 @@ def test_upload_read_only_answers_503(svc: tuple[Mount, LiveServer], reference: 
     assert (m.path / "svc" / "root" / "up" / "model.safetensors").read_bytes() == data
 
 
-def _job(srv: LiveServer) -> dict[str, Any]:
-    r = httpx.post(srv.ckpt_url(NAME) + "/jobs", json={"tp": TP}, timeout=30)
-    assert r.status_code == 202, r.text
-    job = r.json()
-    deadline = time.monotonic() + 60
-    while job["state"] in ("queued", "running") and time.monotonic() < deadline:
-        time.sleep(0.05)
-        job = httpx.get(f"{srv.url}/v1/jobs/{job['id']}", timeout=10).json()
-    return job
-
-
 @pytest.mark.parametrize("fault", ["full", "read-only", "out-is-a-file"])
 def test_job_fails_with_typed_error_then_succeeds(svc: tuple[Mount, LiveServer], reference: dict[str, Path],
                                                   fault: str) -> None:
@@ -196,17 +184,17 @@ def test_job_fails_with_typed_error_then_succeeds(svc: tuple[Mount, LiveServer],
     out = m.path / "svc" / "out" / NAME / f"tp-{TP}"
     if fault == "full":
         m.fill(leave=1 << 20)
-        job = _job(srv)
+        job = run_job(srv.url, NAME, TP)
         want = ("NoSpaceError", f"MB in OUT/{NAME}/tp-{TP}, ")  # no server path is shown
     elif fault == "read-only":
         (m.path / "svc" / "out").mkdir(exist_ok=True)
         with m.readonly():
-            job = _job(srv)
+            job = run_job(srv.url, NAME, TP)
         want = ("ReadOnlyError", "read-only file system")
     else:
         out.parent.mkdir(parents=True)
         out.write_bytes(b"in the way")
-        job = _job(srv)
+        job = run_job(srv.url, NAME, TP)
         want = ("OutputPathError", f"OUT/{NAME}/tp-{TP}: exists and is not a directory")
         out.unlink()
     assert job["state"] == "failed", job
@@ -214,7 +202,7 @@ def test_job_fails_with_typed_error_then_succeeds(svc: tuple[Mount, LiveServer],
     assert leftovers(m.path / "svc") == [] and (not out.exists() or listing(out) == [])
     _healthy(srv)
     m.unfill()
-    job = _job(srv)
+    job = run_job(srv.url, NAME, TP)
     assert job["state"] == "done", job
     for name in (RANK0, RANK1):
         assert (out / name).read_bytes() == (reference["write"] / name).read_bytes()

@@ -7,34 +7,19 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import time
 from pathlib import Path
 
-import httpx
 import pytest
 
 import reshard
 from reshard.cli import main
 from reshard.format.rank_file import rank_file_name
 from reshard.io import verified
-from tests.support.live import live_server, make_ckpt
+from tests.support.live import live_server, make_ckpt, run_job
 
 pytestmark = pytest.mark.servers
 
 TP = 2
-
-
-def _job(url: str, name: str) -> dict:
-    """POST a write job for `name` at tp=TP and poll it until it ends."""
-    r = httpx.post(f"{url}/v1/checkpoints/{name}/jobs", json={"tp": TP}, timeout=30)
-    assert r.status_code == 202, r.text
-    job = r.json()
-    deadline = time.monotonic() + 60
-    while job["state"] in ("queued", "running") and time.monotonic() < deadline:
-        time.sleep(0.05)
-        job = httpx.get(f"{url}/v1/jobs/{job['id']}", timeout=30).json()
-    assert job["state"] == "done", job
-    return job
 
 
 def _files(out: Path) -> dict[str, bytes]:
@@ -64,7 +49,8 @@ def test_library_cli_and_job_write_the_same_bytes(tmp_path: Path) -> None:
     assert main(["write", str(src), "--tp", str(TP), "-o", str(cli), "--no-progress"]) == 0
 
     with live_server(root, out=tmp_path / "out") as srv:
-        job = _job(srv.url, "tiny")
+        job = run_job(srv.url, "tiny", TP)
+        assert job["state"] == "done", job
     served = Path(job["output_dir"])
     assert served == tmp_path / "out" / "tiny" / f"tp-{TP}"
     assert job["plan"] == plan.digest and job["bytes_done"] == job["bytes_total"] == sum(rp.size for rp in plan.ranks)
