@@ -46,7 +46,7 @@ TRAIN = {"seed": 3, "lr": 1e-3, "warmup": 2, "min_lr": 1e-4, "max_norm": 0.5}
 SIZES: dict[str, dict[str, int]] = {"full": {"steps": 12, "save_at": 6, "seq_len": 32, "batch_size": 4},
                                     "test": {"steps": 6, "save_at": 3, "seq_len": 16, "batch_size": 2}}
 RESUMED = ("tp2", "fsdp2", "dp2", "tp1")
-TIMEOUT_S = 120  # a collective that a peer never joins fails after this; a launch has this per phase
+TIMEOUT_S = 120  # a collective that a peer never joins fails after this (the worker's process group timeout)
 
 
 def make_model(name: str, out: Path) -> Path:
@@ -100,12 +100,13 @@ def _launch(work: Path, train: dict[str, Any], todo: list[dict[str, str]], world
            "--master-port", str(free_port())] if world > 1 else []
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    limit = 2 * TIMEOUT_S + 30 * len(todo)  # a backstop: a hung phase fails its collective after TIMEOUT_S
     with open(work / f"log-{world}.txt", "w") as log:
         try:
             subprocess.run([sys.executable, *run, "-m", "scripts.vs_transformers_worker", str(plan)], cwd=ROOT, env=env,
-                           stdout=log, stderr=subprocess.STDOUT, timeout=TIMEOUT_S * len(todo), check=False)
+                           stdout=log, stderr=subprocess.STDOUT, timeout=limit, check=False)
         except subprocess.TimeoutExpired:
-            log.write(f"\nkilled after {TIMEOUT_S * len(todo)} s\n")
+            log.write(f"\nkilled after {limit} s\n")
 
 
 def outcome(work: Path, phase: dict[str, str]) -> dict[str, Any]:
@@ -114,7 +115,7 @@ def outcome(work: Path, phase: dict[str, str]) -> dict[str, Any]:
     if path.is_file():
         return json.loads(path.read_text())
     if path.with_suffix(".started").is_file():
-        return {"ok": False, "hang": True, "error": f"no answer within {TIMEOUT_S} s (a collective never completed)"}
+        return {"ok": False, "hang": True, "error": "started and never ended: its launch was killed at the time limit"}
     return {"ok": False, "error": "not run: an earlier phase of its launch did not end"}
 
 
@@ -142,7 +143,7 @@ def tied_rows(result: dict[str, Any]) -> dict[str, Any] | None:
 
 def verdict(tf: dict[str, Any], diff: float | None) -> str:
     """transformers' outcome for one resume."""
-    if tf.get("hang"):
+    if tf.get("hang") or "timed out" in (tf.get("error") or "").lower():  # gloo gave up on a collective
         return "hang"
     if not tf["ok"]:
         return "error"

@@ -288,10 +288,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for phase in plan["phases"]:
             run_phase(Path(plan["work"]), plan["train"], phase)
+        return 0
     finally:
-        if dist.is_initialized():
+        if dist.is_initialized():  # every phase ran in this group (each records its own failure)
             dist.destroy_process_group()
-    return 0
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ import pytest
 from scripts.vs_transformers import RESULTS, RESUMED, TOLERANCE, compare, outcome, verdict
 from scripts.vs_transformers_worker import phase_file
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = pytest.mark.timeout(1800)  # a hang in transformers ends after the worker's 120 s timeouts
 
 
 @pytest.fixture(scope="module")
@@ -124,3 +124,4 @@ def test_a_phase_is_told_by_what_it_left(tmp_path: Path) -> None:
     assert verdict({"ok": True, "reloaded": {"param": same}}, TOLERANCE * 2) == "diverges"
     assert verdict({"ok": True, "reloaded": {"param": same}}, TOLERANCE) == "agrees"
     assert verdict({"ok": False, "error": "ValueError: shapes"}, None) == "error"
+    assert verdict({"ok": False, "error": "RuntimeError: [../gloo/transport/tcp/pair.cc:534] Timed out"}, None) == "hang"
