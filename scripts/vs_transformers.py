@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -102,10 +103,13 @@ def _launch(work: Path, train: dict[str, Any], todo: list[dict[str, str]], world
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     limit = 2 * TIMEOUT_S + 30 * len(todo)  # a backstop: a hung phase fails its collective after TIMEOUT_S
     with open(work / f"log-{world}.txt", "w") as log:
+        proc = subprocess.Popen([sys.executable, *run, "-m", "scripts.vs_transformers_worker", str(plan)], cwd=ROOT,
+                                env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            subprocess.run([sys.executable, *run, "-m", "scripts.vs_transformers_worker", str(plan)], cwd=ROOT, env=env,
-                           stdout=log, stderr=subprocess.STDOUT, timeout=limit, check=False)
-        except subprocess.TimeoutExpired:
+            proc.wait(timeout=limit)
+        except subprocess.TimeoutExpired:  # the launcher and its ranks: the session it leads
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
             log.write(f"\nkilled after {limit} s\n")
 
 
@@ -116,7 +120,7 @@ def outcome(work: Path, phase: dict[str, str]) -> dict[str, Any]:
         return json.loads(path.read_text())
     if path.with_suffix(".started").is_file():
         return {"ok": False, "hang": True, "error": "started and never ended: its launch was killed at the time limit"}
-    return {"ok": False, "error": "not run: an earlier phase of its launch did not end"}
+    return {"ok": False, "error": "not run: its launch ended before it (see WORK/log-N.txt)"}
 
 
 def _losses(result: dict[str, Any]) -> dict[int, float]:

@@ -108,7 +108,7 @@ def test_where_it_diverges_the_tied_head_lags_not_the_checkpoint(found: dict[str
 
 @pytest.mark.pure
 def test_a_phase_is_told_by_what_it_left(tmp_path: Path) -> None:
-    """Ended (its JSON), started and never ended (a hang: the launch was killed in it), never started; and the
+    """Ended (its JSON), started and never ended (a hang: the launch was killed in it), not started; and the
     verdicts of a reloaded state that differs and of an error."""
     phase = {"model": "llama", "side": "transformers", "what": "resume", "layout": "fsdp2"}
     path = phase_file(tmp_path, phase)
