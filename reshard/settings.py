@@ -72,6 +72,12 @@ class LibrarySettings:
     token: str = _field("", "the bearer token a client sends (`reshard pull`, `fill_model` from a URL, "
                         "`ShardClient`) when none is passed; the service reads the same variable as the token it "
                         "requires")
+    client_stall: float = _field(30.0, "seconds a download from the service (a shard, a small file, a JSON answer) "
+                                 "may go without progress: no byte for this long, or fewer than "
+                                 "`client_min_rate` bytes per second over this long, fails the try (retried and "
+                                 "resumed like a broken connection; reshard.io.client.pace)", gt=0)
+    client_min_rate: int = _field(4096, "bytes per second a download from the service must keep up, measured over "
+                                  "`client_stall` seconds (a server that trickles fails the try)", ge=0)
     t0: float = _field(0.0, "the launch time (seconds since the epoch) a rank counts its start-up from (the "
                        "trainer's time to the first step); `reshard launch` sets it unless set; 0: the process's "
                        "start", ge=0)

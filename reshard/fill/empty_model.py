@@ -26,7 +26,7 @@ from torch import nn
 from reshard.errors import CheckpointError
 from reshard.format.checkpoint import CONFIG_NAME
 from reshard.io.client.body import get_json
-from reshard.io.client.wire import checkpoint_url
+from reshard.io.client.wire import checkpoint_url, redact
 from reshard.io.source.stores import is_url
 from reshard.tp.comm import tp_world_size
 
@@ -40,7 +40,7 @@ def source_config(source: str | Path, *, token: str | None = None) -> dict[str, 
         path = (path if path.is_dir() else path.parent) / CONFIG_NAME
         config = json.loads(path.read_text()) if path.is_file() else None
     if not isinstance(config, dict):
-        raise CheckpointError(f"{source}: no config.json; pass the model's config instead")
+        raise CheckpointError(f"{redact(str(source))}: no config.json; pass the model's config instead")
     return config
 
 
@@ -85,7 +85,7 @@ def import_model_class(source: str | Path | dict[str, Any], *, token: str | None
     try:
         config = transformers.AutoConfig.for_model(**raw)
     except (ValueError, KeyError) as e:
-        raise CheckpointError(f"{source}: config.json names no transformers architecture: {e}") from None
+        raise CheckpointError(f"{redact(str(source))}: config.json names no transformers architecture: {e}") from None
     auto_class = auto_class or transformers.AutoModelForCausalLM
     cls = auto_class._model_mapping[type(config)]  # imports its module
     if warm:

@@ -282,24 +282,32 @@ def _copy(header: RankHeader, plans: list[tuple[str, torch.Tensor, torch.dtype, 
 
 
 def iter_tensors(header: RankHeader, rest: Iterable[memoryview | bytes], *, sha256: str | None = None,
-                 leftover: bytes | bytearray = b"") -> Iterator[tuple[str, torch.Tensor]]:
+                 leftover: bytes | bytearray = b"", only: set[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Each tensor of the stream, in file order, as a CPU tensor of its own (one tensor's bytes in memory
     at a time), for an engine that takes `(name, tensor)` pairs; the stream must end after the last
-    tensor and, with `sha256`, hash (header included) to it, checked before the last pair is handed out."""
+    tensor and hash (header included) to `sha256`, or, without it, to the digest the body itself expects
+    (`RankBytes.expected_sha256`: the service's, for its answer), checked before the last pair is handed
+    out. With `only`, the other tensors are read past (hashed, never allocated) and not handed out."""
     order = sorted(header.entries.items(), key=lambda kv: kv[1]["data_offsets"][0])
-    sha = hashlib.sha256(header.raw) if sha256 else None
+    from_body = sha256 is None and bool(getattr(rest, "verify", False)) and hasattr(rest, "expected_sha256")
+    sha = hashlib.sha256(header.raw) if sha256 or from_body else None
     chunks = _chunks(leftover, rest)
     pending, last = memoryview(b""), None
     for name, e in order:
+        ended = f"{header.source}: stream ended inside tensor {name}"
+        if only is not None and name not in only:
+            pending = _discard(e["data_offsets"][1] - e["data_offsets"][0], pending, chunks, sha, ended)
+            continue
         t = torch.empty(e["shape"], dtype=TORCH_DTYPES[e["dtype"]])
-        pending = _take(t, pending, chunks, sha, f"{header.source}: stream ended inside tensor {name}")
+        pending = _take(t, pending, chunks, sha, ended)
         if last is not None:
             yield last
         last = (name, t)
     if len(pending) or any(len(c) for c in chunks):
         raise IntegrityError(f"{header.source}: bytes after the last tensor")
-    if sha is not None and sha.hexdigest() != sha256:
-        raise IntegrityError(f"{header.source}: sha256 {sha.hexdigest()} does not match the recorded {sha256}")
+    want = sha256 or (rest.expected_sha256() if from_body else None)  # type: ignore[attr-defined]
+    if sha is not None and sha.hexdigest() != want:
+        raise IntegrityError(f"{header.source}: sha256 {sha.hexdigest()} does not match the recorded {want}")
     if last is not None:
         yield last
 
@@ -325,6 +333,20 @@ def _take(t: torch.Tensor, pending: memoryview, it: Iterator[memoryview], sha: A
         n = min(len(pending), len(dst) - got)
         dst[got : got + n] = pending[:n]
         pending, got = pending[n:], got + n
+    return pending
+
+
+def _discard(n: int, pending: memoryview, it: Iterator[memoryview], sha: Any, ended: str) -> memoryview:
+    """Take `n` bytes from `pending`, then from `it`, without keeping them (hashed when `sha`); what is left over."""
+    while n:
+        if not pending:
+            pending = next(it, None)  # type: ignore[arg-type]
+            if pending is None:
+                raise IntegrityError(ended)
+            if sha is not None:
+                sha.update(pending)
+        k = min(len(pending), n)
+        pending, n = pending[k:], n - k
     return pending
 
 

@@ -18,7 +18,7 @@ from reshard.format.checkpoint import CONFIG_NAME, MANIFEST_NAME
 from reshard.format.rank_file import decode_metadata, parse_rank_file_name, rank_file_name
 from reshard.io.client.body import ShardBody, file_body, get_json
 from reshard.io.client.shard_prefetch import take as take_prefetched
-from reshard.io.client.wire import checkpoint_url
+from reshard.io.client.wire import checkpoint_url, redact
 from reshard.io.source.stores import is_url
 from reshard.layout.mesh import Layout
 
@@ -40,7 +40,7 @@ def open_rank_stream(
             params = {k: v for k, v in (("rules", rules), ("engine", engine)) if v}
             config = get_json(checkpoint_url(str(source)), params=params, token=token).get("config")
             if not isinstance(config, dict):
-                config = _no_config(f"{source}: the checkpoint has no config.json", need_config)
+                config = _no_config(f"{redact(str(source))}: the checkpoint has no config.json", need_config)
         want = layout.tp if layout.tp_only else layout
         body = (None if rules or engine else take_prefetched(str(source), rank, want)) or ShardBody(
             str(source), rank, want, token=token, rules=rules, engine=engine)

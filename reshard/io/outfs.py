@@ -18,7 +18,9 @@ import errno
 import fcntl
 import json
 import os
+import secrets
 import shutil
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
@@ -33,7 +35,8 @@ from reshard.errors import (
     ReadOnlyError,
 )
 
-__all__ = ["check_space", "free_bytes", "made_dir", "megabytes", "output_error", "output_errors", "prepare_dir"]
+__all__ = ["EXCLUSIVE", "check_space", "create_exclusive", "free_bytes", "made_dir", "megabytes", "open_own",
+           "output_error", "output_errors", "prepare_dir", "random_temp"]
 
 
 def megabytes(n: float) -> str:
@@ -152,15 +155,49 @@ def made_dir(path: str | os.PathLike[str], *, for_file: str | os.PathLike[str] |
 
 
 TMP_PREFIX = ".tmp-"
+# how every temp file is created: a new file or nothing (O_EXCL), never through a symlink planted at its name
+# (O_NOFOLLOW: an existing name fails, a link is not followed to overwrite its target), not inherited by children
+EXCLUSIVE = os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def create_exclusive(path: str | os.PathLike[str], *, flags: int = os.O_WRONLY, mode: int = 0o666) -> int:
+    """A new file at `path`, open (`flags` | `EXCLUSIVE`): `FileExistsError` when anything is there already,
+    a symlink included."""
+    return os.open(path, flags | EXCLUSIVE, mode)
+
+
+def random_temp(path: Path, *, suffix: str = ".part", flags: int = os.O_WRONLY) -> tuple[Path, int]:
+    """A new temp file beside `path`, `.NAME.RANDOM{suffix}`, created exclusively: (its path, its descriptor).
+    Its name cannot be guessed ahead, so nothing can be planted there."""
+    while True:
+        tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}{suffix}")
+        try:
+            return tmp, create_exclusive(tmp, flags=flags)
+        except FileExistsError:  # 2**-64 unless planted: another name
+            continue
+
+
+def open_own(path: str | os.PathLike[str], flags: int = os.O_RDONLY) -> int | None:
+    """`path` opened without following a symlink, if it is a regular file of this user with no other link
+    (a file an earlier run of this user left: a partial download to resume); else None."""
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    st = os.fstat(fd)
+    if stat.S_ISREG(st.st_mode) and st.st_nlink == 1 and st.st_uid == os.geteuid():
+        return fd
+    os.close(fd)
+    return None
 
 
 @contextlib.contextmanager
 def atomic_file(path: Path) -> Iterator[IO[bytes]]:
-    """Write `path` atomically: a temp file beside it, fsync, rename, fsync the directory."""
+    """Write `path` atomically: a temp file beside it (created exclusively), fsync, rename, fsync the directory."""
     path = Path(path)
     tmp = temp_path(path)
     try:
-        with open(tmp, "wb") as f:
+        with open(create_exclusive(tmp), "wb") as f:
             yield f
             f.flush()
             os.fsync(f.fileno())
@@ -173,8 +210,9 @@ def atomic_file(path: Path) -> Iterator[IO[bytes]]:
 
 
 def temp_path(path: Path) -> Path:
-    """The temp file beside `path` that this process writes before renaming (see `remove_stale_temps`)."""
-    return path.with_name(f"{TMP_PREFIX}{os.getpid()}-{path.name}")
+    """A temp file beside `path` that this process writes before renaming (see `remove_stale_temps`): its pid,
+    then a random part (nothing can be planted at the name ahead), then the file's name."""
+    return path.with_name(f"{TMP_PREFIX}{os.getpid()}-{secrets.token_hex(4)}-{path.name}")
 
 
 def copy_atomic(src: Path, dst: Path) -> None:

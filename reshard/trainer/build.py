@@ -20,6 +20,7 @@ from reshard.fill.empty_model import hf_config, init_buffers
 from reshard.fill.into_params import RankHeader, fill_parameters, read_header_from
 from reshard.fill.open import open_cut_stream
 from reshard.format.torch_side import TORCH_DTYPES
+from reshard.io.client.wire import redact
 from reshard.layout.mesh import Layout
 from reshard.rules.quant.dequant import Dequantizer
 from reshard.tp.comm import tp_rank, tp_world_size
@@ -61,7 +62,7 @@ def build_model(
     layout, rank = layout or Layout(tp=tp), tp_r if rank is None else rank
     beyond = {k: v for k, v in layout.sizes().items() if v != 1 and k not in ("tp", "fsdp")}
     if layout.tp != tp or beyond or (layout.fsdp > 1) != (shard is not None):
-        raise CheckpointError(f"{source}: the bundled trainer fills fsdp x tp layouts sharded by `shard` (tp over "
+        raise CheckpointError(f"{redact(str(source))}: the bundled trainer fills fsdp x tp layouts sharded by `shard` (tp over "
                               f"its group of {tp}), not {layout.describe()}")
     config, chunks, sha, name = open_cut_stream(source, rank, layout, token=token)
     header, leftover = read_header_from(chunks, name)

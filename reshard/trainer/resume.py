@@ -32,6 +32,7 @@ from reshard.errors import CheckpointError
 from reshard.fill.into_params import fill_parameters, read_header_from
 from reshard.fill.open import open_cut_stream
 from reshard.format.rank_file import OPTIMIZER_DIR, OPTIMIZER_SLOTS, optimizer_tensor_name, rank_file_name
+from reshard.io.client.wire import redact
 from reshard.io.source.stores import is_url
 from reshard.layout.mesh import Layout
 from reshard.trainer.snapshot import moment_targets
@@ -58,7 +59,7 @@ def _served_state(url: str) -> dict[str, Any] | None:
         data = client.meta_file(STATE_NAME)
     if data is None:
         return None
-    where = f"{url}/meta/{STATE_NAME}"
+    where = f"{redact(url)}/meta/{STATE_NAME}"
     try:
         state = json.loads(data)
     except ValueError as e:
@@ -106,7 +107,7 @@ def restore_training(
     header = model.rank_header
     rank, layout = header.rank, header.layout
     if state.get("model") not in (None, model_fingerprint(getattr(model, "hf_config", None), header.tensors)):
-        raise CheckpointError(f"{source}: its rank files or config.json are of another model than the one its "
+        raise CheckpointError(f"{redact(str(source))}: its rank files or config.json are of another model than the one its "
                               f"{STATE_NAME} was saved with (names, shapes or config differ); resume from a "
                               "checkpoint as the trainer saved it")
     step, same = int(state["optimizer"]["step"]), same_layout(state, layout)
@@ -117,14 +118,14 @@ def restore_training(
     _fill_moments(state, source, rank, layout, targets)
     if scheduler is not None:
         if state["scheduler"] is None:
-            raise CheckpointError(f"{source}: the checkpoint has no LR scheduler state, this run has one; resume "
+            raise CheckpointError(f"{redact(str(source))}: the checkpoint has no LR scheduler state, this run has one; resume "
                                   "without the schedule or from a checkpoint saved with it")
         scheduler.load_state_dict(state["scheduler"])
         for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr(), strict=True):
             group["lr"] = lr  # the rate the next step uses (load_state_dict sets the schedule, not the optimizer)
     for key, gen in (generators or {}).items():
         if key not in state["generators"]:
-            raise CheckpointError(f"{source}: the checkpoint has no generator {key!r}; save it with this trainer")
+            raise CheckpointError(f"{redact(str(source))}: the checkpoint has no generator {key!r}; save it with this trainer")
         gen.set_state(decode_rng(state["generators"][key]))
     if not same or "relaid_from" in state:  # cut to another layout, here or by `reshard write`: one rule
         seed = int(state["extra"].get("seed", seed))  # the run's own seed, as `reshard write` reseeds with it
@@ -167,8 +168,8 @@ def start_step(
     if say and source is not None:
         saved = f" (saved at {saved_layout(state).describe()}, cut to {model.rank_header.layout.describe()} as read)" \
             if state is not None and not same_layout(state, model.rank_header.layout) else ""
-        print(f"resumed from {source} at step {got['step']}{saved}" if state is not None else
-              f"{source}: weights only (no {STATE_NAME}): starting with a fresh optimizer at step 0", flush=True)
+        print(f"resumed from {redact(str(source))} at step {got['step']}{saved}" if state is not None else
+              f"{redact(str(source))}: weights only (no {STATE_NAME}): starting with a fresh optimizer at step 0", flush=True)
     return got["step"], got["extra"]
 
 

@@ -8,6 +8,14 @@ replaced by a `PreSharded` one: it finds the same place in the parameter that vL
 (`qkv_proj`'s "k" block, expert 3's gate half of `w13_weight`), checks that the slice fits it exactly,
 and copies. Afterwards every parameter must have been filled whole, once: anything else is one
 `PlanError` naming the parameters. The original loaders are put back, so vLLM's own reloads work.
+
+A shard's header says what it holds before a byte of it is read, and nothing it declares is allocated
+before it was compared with its destination: `model.load_weights` first runs on tensors of the
+declared shapes on the meta device (no memory), which finds each one's place and checks its shape, and
+that every parameter is filled whole, with nothing copied; only then are the tensors read, one at a
+time, each already known to fit (a tensor vLLM does not ask for is read past, never allocated). The
+bytes are hashed as they arrive and checked against the sha256 of `reshard.json` beside rank files or
+the service's digest for its answer (`iter_tensors`) before the last tensor is handed to vLLM.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ from torch import nn
 from reshard.errors import CheckpointError, PlanError
 from reshard.fill.into_params import RankHeader, iter_tensors, read_header_from
 from reshard.fill.open import open_rank_stream
+from reshard.format.torch_side import TORCH_DTYPES
 from reshard.integrations.vllm.places import place_for
 from reshard.rules.engines import VLLM_VOCAB_ALIGN, is_vocab_split
 
@@ -93,8 +102,9 @@ def _install(params: dict[int, tuple[str, nn.Parameter]], ledger: _Ledger) -> di
     """Swap every parameter's weight_loader for a pre-sharded one; the originals, to put back."""
     originals: dict[int, Any] = {}
     for pid, (name, p) in params.items():
-        originals[pid] = p.__dict__.get("weight_loader", _ABSENT)
-        p.weight_loader = PreSharded(name, p, getattr(p, "weight_loader", None), ledger)
+        # vLLM's own parameter classes hold it behind a property (set and read back through it), others in __dict__
+        originals[pid] = getattr(p, "weight_loader", _ABSENT)
+        p.weight_loader = PreSharded(name, p, None if originals[pid] is _ABSENT else originals[pid], ledger)
     return originals
 
 
@@ -137,8 +147,9 @@ class PreSharded:
                 f"{self.ledger.current}: has shape {list(loaded.shape)} in the shard, but its place in vLLM's "
                 f"{self.name} (block {region!r}) has shape {list(dest.shape)}: the shard was cut for another "
                 f"engine; pull it with engine=vllm (reshard write --engine vllm) or fix the stored rules")
-        with torch.no_grad():
-            dest.copy_(loaded)
+        if not loaded.is_meta:  # a rehearsal's tensor (`_rehearse`) has no bytes to copy
+            with torch.no_grad():
+                dest.copy_(loaded)
         self.ledger.record(param, region, dest.numel())
         return True if success else None
 
@@ -181,22 +192,45 @@ def fill_vllm_model(model: nn.Module, source: str | Path, *, rank: int, tp: int,
     header, leftover = read_header_from(chunks, name)
     _check_header(header, rank, tp, name)
     params = _named_params(model)
+    asked = _rehearse(model, params, header, name)
     ledger = _Ledger(params)
-    originals = _install(params, ledger)
     seen: list[str] = []
+    _load(model, params, ledger, _tracked(iter_tensors(header, chunks, sha256=sha, leftover=leftover, only=asked),
+                                          ledger, seen))
+    _check_filled(ledger, name)
+    report = VllmFillReport(name, rank, tp, len(seen), len(params), header.total, time.perf_counter() - t0,
+                            skipped=[n for n in header.entries if n not in asked])
+    model.reshard_fill_report = report  # for whoever asks the worker (collective_rpc), as vLLM keeps the model
+    return report
+
+
+def _rehearse(model: nn.Module, params: dict[int, tuple[str, nn.Parameter]], header: RankHeader, name: str) -> set[str]:
+    """`model.load_weights` on meta tensors of the shapes the shard declares: each one's place found and its
+    shape checked, every parameter covered, nothing allocated, read or copied. The names vLLM asked for."""
+    ledger = _Ledger(params)
+    order = sorted(header.entries.items(), key=lambda kv: kv[1]["data_offsets"][0])
+    declared = ((n, torch.empty(e["shape"], dtype=TORCH_DTYPES[e["dtype"]], device="meta")) for n, e in order)
+    _load(model, params, ledger, _tracked(declared, ledger, []))
+    _check_filled(ledger, name, "; nothing was loaded")
+    return ledger.used
+
+
+def _load(model: nn.Module, params: dict[int, tuple[str, nn.Parameter]], ledger: _Ledger,
+          pairs: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """`model.load_weights(pairs)` with every parameter's loader a `PreSharded` one, the originals put back."""
+    originals = _install(params, ledger)
     try:
-        model.load_weights(_tracked(iter_tensors(header, chunks, sha256=sha, leftover=leftover), ledger, seen))
+        model.load_weights(pairs)
     finally:
         _restore(params, originals)
+
+
+def _check_filled(ledger: _Ledger, name: str, then: str = "") -> None:
     unfilled = ledger.unfilled()
     if unfilled:
         raise PlanError(f"{name}: {len(unfilled)} vLLM parameters were not filled whole by the shard: "
                         f"{', '.join(unfilled[:_LIST])}; the shard and vLLM's model disagree (another checkpoint, "
-                        "or rules that leave these tensors out)")
-    report = VllmFillReport(name, rank, tp, len(seen), len(params), header.total, time.perf_counter() - t0,
-                            skipped=[n for n in seen if n not in ledger.used])
-    model.reshard_fill_report = report  # for whoever asks the worker (collective_rpc), as vLLM keeps the model
-    return report
+                        f"or rules that leave these tensors out){then}")
 
 
 def _tracked(pairs: Iterable[tuple[str, torch.Tensor]], ledger: _Ledger, seen: list[str]) -> Iterator[tuple[str, torch.Tensor]]:

@@ -29,7 +29,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import urlencode
 
 from reshard.errors import IntegrityError, ReshardError, SourceChangedError
+from reshard.io.client.pace import Pace
 from reshard.io.client.wire import (
+    MAX_JSON_BYTES,
     RETRY_CAP,
     SHA_HEADER,
     as_world,
@@ -37,6 +39,7 @@ from reshard.io.client.wire import (
     checkpoint_url,
     connect,
     layout_params,
+    without_credentials,
 )
 from reshard.io.pread import pread_full
 from reshard.io.retry import Backoff, Retries, Retryable
@@ -114,13 +117,15 @@ class ShardBody:
 
     def __init__(self, url: str, rank: int, tp: int | Layout, *, token: str | None = None, timeout: float = 60.0,
                  retries: int = 5, backoff: float = 0.25, rules: str | None = None, engine: str | None = None) -> None:
-        self.url = checkpoint_url(url)
+        self.url, basic = without_credentials(checkpoint_url(url))  # no password in any name or message
+        self._given = url  # for the error client, which sends its credentials the same way
         self.rank, self.tp, self.timeout, self.retries, self.backoff = rank, tp, timeout, retries, backoff
         self.token, self.params = token, {k: v for k, v in (("rules", rules), ("engine", engine)) if v}
         self._shard = f"{self.url}/shards/{rank}"
         self._query = {**self.params, **layout_params(tp)}
-        self._auth = auth_headers(token)
+        self._auth = {**auth_headers(token), **basic}
         self.name = f"{self.url} rank {rank}/{as_world(tp)}"
+        self._pace = Pace.from_settings(self.name)
         self._client: ShardClient | None = None  # httpx, only to name an error answer
         self.pos, self.size, self.etag, self.sha256, self.verify = 0, 0, "", None, True
         self._conn: http.client.HTTPConnection | None = None
@@ -143,6 +148,7 @@ class ShardBody:
             headers.update({"Range": f"bytes={self.pos}-", "If-Range": self.etag})
         self._conn = conn
         conn.request("GET", target, headers=headers)
+        self._pace.restart()
         resp = conn.getresponse()
         self._resp = resp
         if resp.status >= 500:
@@ -152,6 +158,9 @@ class ShardBody:
             self.client().head(self.rank, self.tp)  # raises the error the server names, as ShardClient does
             raise Retryable(f"HTTP {resp.status}")
         self._check(resp)
+        if conn.sock is not None:  # the body: no byte for `stall` seconds is a stall
+            conn.sock.settimeout(self._pace.limits.read_timeout(self.timeout))
+        resp.fp = _EachReceive(resp.fp)  # type: ignore[assignment]
         return 0
 
     def _check(self, resp: http.client.HTTPResponse) -> None:
@@ -187,7 +196,8 @@ class ShardBody:
         n = self._resp.readinto(view)
         if not n:
             raise Retryable(f"connection closed at byte {self.pos} of {self.size}")
-        self._tries.progressed()
+        if self._pace.got(n):  # a trickle is no progress: it raises `Stalled` instead
+            self._tries.progressed()
         return n
 
     def _call(self, do: Callable[..., int], *args: Any) -> int:
@@ -222,7 +232,7 @@ class ShardBody:
         if self._client is None:
             from reshard.io.client.shard_client import ShardClient
 
-            self._client = ShardClient(self.url, token=self.token, retries=self.retries, timeout=self.timeout,
+            self._client = ShardClient(self._given, token=self.token, retries=self.retries, timeout=self.timeout,
                                        backoff=self.backoff, **self.params)
         return self._client
 
@@ -237,20 +247,37 @@ def get_json(url: str, *, params: dict[str, Any] | None = None, token: str | Non
     """GET a small JSON answer of the service (the checkpoint's info, a shard's digest) with `http.client`;
     anything but a 2xx answer is asked again through `ShardClient`, which retries and raises the error
     the server named, so both paths fail alike."""
-    full = url + ("?" + urlencode(params) if params else "")
+    clean, basic = without_credentials(url)
+    full = clean + ("?" + urlencode(params) if params else "")
     try:
         conn, target = connect(full, timeout=timeout)
         try:
-            conn.request("GET", target, headers={**auth_headers(token), "Accept-Encoding": "identity"})
+            conn.request("GET", target, headers={**auth_headers(token), **basic, "Accept-Encoding": "identity"})
+            pace = Pace.from_settings(clean)
             resp = conn.getresponse()
-            body = resp.read()
             if 200 <= resp.status < 300:
-                return json.loads(body)
+                return json.loads(read_capped(resp, cap=MAX_JSON_BYTES, pace=pace, what=clean))
         finally:
             conn.close()
-    except (OSError, http.client.HTTPException, ValueError):
-        pass
+    except (OSError, http.client.HTTPException, ValueError, ReshardError, Retryable):
+        pass  # asked again through the client, which retries and names the error
     return _through_client(url, params or {}, token, timeout)
+
+
+def read_capped(resp: http.client.HTTPResponse, *, cap: int, pace: Pace, what: str) -> bytes:
+    """The body of `resp`, at most `cap` bytes (more, or a Content-Length above it, is an `IntegrityError`),
+    read at `pace`."""
+    length = resp.getheader("content-length")
+    if length is not None and length.isdigit() and int(length) > cap:
+        raise IntegrityError(f"{what}: the answer is {length} bytes, over the {cap} a client takes")
+    parts, n = [], 0
+    while piece := resp.read1(1 << 16):
+        n += len(piece)
+        if n > cap:
+            raise IntegrityError(f"{what}: the answer runs past the {cap} bytes a client takes")
+        pace.got(len(piece))
+        parts.append(piece)
+    return b"".join(parts)
 
 
 def _through_client(url: str, params: dict[str, Any], token: str | None, timeout: float) -> dict[str, Any]:
@@ -259,6 +286,22 @@ def _through_client(url: str, params: dict[str, Any], token: str | None, timeout
     base = url[: url.index("/v1/checkpoints/")] + "/v1/checkpoints/" + url.split("/v1/checkpoints/", 1)[1].split("/")[0]
     with ShardClient(base, token=token, timeout=timeout) as client:
         return client._json("GET", url, params=params)  # noqa: SLF001  the same request, retried, errors named
+
+
+class _EachReceive:
+    """A response's socket file whose `readinto` returns what one receive brought (`readinto1`), not only
+    once the view is full: then each receive is counted by the body's pace (a server sending a byte every
+    few seconds would otherwise fill a 16 MiB view without any timeout firing). Still straight into the
+    caller's memory; everything else is the file's own."""
+
+    def __init__(self, fp: Any) -> None:
+        self._fp = fp
+
+    def readinto(self, b: memoryview) -> int:
+        return self._fp.readinto1(b)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._fp, name)
 
 
 def file_body(path: Path, *, sha256: str | None = None) -> FileBody:

@@ -12,6 +12,11 @@ the server meanwhile (its ETag names the source files, manifest, tp and rank) th
 received are stale and `IntegrityError` is raised instead of mixing versions. At the end the total
 length and the sha256 (from the server's digest) are checked. Failures are retried by
 `reshard.io.retry` (waits doubling from `backoff`, at most 10 s; `retries` in a row, then an error).
+Every body, JSON answers included, is read at a minimum pace (`reshard.io.client.pace`: a server that
+stalls or trickles fails the try) and up to a cap (a JSON answer `MAX_JSON_BYTES`, a file the size it
+was listed with), and a URL's `user:password@` is taken out of it at once and sent as a header
+(`wire.without_credentials`), so that no message shows it. `pull` and `pull_meta` publish files
+through `reshard.io.client.publish` (exclusive temp files; a shard parsed and checked before its rename).
 
 Why the service has two client stacks, this one on httpx and `ShardBody` (`reshard.io.client.body`)
 on the standard library's `http.client` (measured on the 2-core dev VM, Python 3.11, httpx 0.29,
@@ -31,32 +36,36 @@ loopback, a stdlib server, best of 3-5 runs, two sessions):
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import httpx
 
 from reshard import errors
-from reshard.errors import IntegrityError, NotFoundError, OutputPathError, ReshardError
-from reshard.format.rank_file import rank_file_name
-from reshard.io.client.wire import RETRY_CAP, SHA_HEADER, as_world, auth_headers, layout_params
+from reshard.errors import IntegrityError, NotFoundError, ReshardError
+from reshard.format.meta_files import check_listing
+from reshard.io.client.pace import Pace, PaceLimits
+from reshard.io.client.wire import (
+    MAX_JSON_BYTES,
+    RETRY_CAP,
+    SHA_HEADER,
+    auth_headers,
+    layout_params,
+    without_credentials,
+)
 from reshard.io.client.wire import checkpoint_url as as_checkpoint_url
-from reshard.io.hashing import BackgroundHash, file_sha256
-from reshard.io.outfs import check_space, fsync_dir, made_dir, output_errors
-from reshard.io.progress import Progress
+from reshard.io.hashing import BackgroundHash
 from reshard.io.retry import Backoff, Retries, Retryable
 from reshard.layout.mesh import Layout
 
 _CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/(\d+)$")
 _RETRY_STATUS = frozenset({500, 502, 503, 504})
-
+_ERROR_BYTES = 64 << 10  # of an error answer's body, what is read to name the error
 
 _RETRY_ON = (httpx.TransportError, Retryable)
 
@@ -70,18 +79,35 @@ class ShardHead:
     sha256: str | None = None
 
 
+@dataclass(frozen=True)
+class Answer:
+    """A small answer of the service, read whole: status, headers, body, and `what` was asked (for errors)."""
+
+    status: int
+    headers: httpx.Headers
+    body: bytes
+    what: str
+
+    def json(self) -> Any:
+        try:
+            return json.loads(self.body)
+        except ValueError:
+            raise IntegrityError(f"{self.what}: the answer is not JSON: {self.body[:100]!r}") from None
+
+
 class ShardClient:
     """A client for one checkpoint URL `http://HOST:PORT/v1/checkpoints/NAME`."""
 
     def __init__(self, checkpoint_url: str, *, token: str | None = None, retries: int = 5, timeout: float = 60.0,
                  backoff: float = 0.25, rules: str | None = None, engine: str | None = None, verify: bool = True,
-                 transport: httpx.BaseTransport | None = None) -> None:
-        url = as_checkpoint_url(checkpoint_url)
+                 transport: httpx.BaseTransport | None = None, pace: PaceLimits | None = None) -> None:
+        url, basic = without_credentials(as_checkpoint_url(checkpoint_url))
         self.url, self.retries, self.backoff, self.verify = url, retries, backoff, verify
         self.params = {k: v for k, v in (("rules", rules), ("engine", engine)) if v}
         self.timeout = timeout
-        self._http = httpx.Client(headers=auth_headers(token), timeout=httpx.Timeout(timeout, connect=min(timeout, 10.0)),
-                                  transport=transport)
+        self.pace = pace or PaceLimits.from_settings()
+        self._http = httpx.Client(headers={**auth_headers(token), **basic},
+                                  timeout=httpx.Timeout(timeout, connect=min(timeout, 10.0)), transport=transport)
 
     def __enter__(self) -> ShardClient:
         return self
@@ -110,41 +136,41 @@ class ShardClient:
     def head(self, rank: int, tp: int | Layout) -> ShardHead:
         """Size, ETag and (if known) sha256 of a shard. Asks for its first byte rather than HEAD, so
         that errors come with the server's JSON explanation."""
-        r = self._call(lambda: self._http.get(self.shard_url(rank), params={**self.params, **layout_params(tp)},
-                                              headers={"Range": "bytes=0-0", "Accept-Encoding": "identity"}))
-        _, size = _body_span(r, 0)
-        return ShardHead(size, r.headers["etag"], r.headers.get(SHA_HEADER))
+        a = self._request("GET", self.shard_url(rank), params={**self.params, **layout_params(tp)},
+                          headers={"Range": "bytes=0-0", "Accept-Encoding": "identity"}, cap=1)
+        _, size = _body_span(a.status, a.headers, 0, a.what)
+        if size is None or "etag" not in a.headers:
+            raise IntegrityError(f"{a.what}: the answer names no size or no ETag; is this the service?")
+        return ShardHead(size, a.headers["etag"], a.headers.get(SHA_HEADER))
+
+    def meta_listing(self) -> list[dict[str, Any]]:
+        """The checkpoint's small files (name, size, sha256), every entry checked (`check_listing`)."""
+        return check_listing(self._json("GET", f"{self.url}/meta"), f"{self.url}/meta")
 
     def pull_meta(self, dest: str | os.PathLike[str]) -> list[dict[str, Any]]:
         """Copy the checkpoint's small files (config.json, tokenizer, generation config) into the directory
-        `dest`, each verified against the server's sha256 and published with a rename; a file already
-        there with the same digest is kept. Returns the server's list (name, size, sha256)."""
-        dest = Path(dest)
-        files = self._json("GET", f"{self.url}/meta")["files"]
-        with made_dir(dest, for_file=dest / "config.json"), output_errors(dest, retry="run the same pull again"):
-            for f in files:
-                path = dest / f["name"]
-                if path.is_file() and path.stat().st_size == f["size"] and file_sha256(path) == f["sha256"]:
-                    continue
-                data = self._call(lambda f=f: self._http.get(f"{self.url}/meta/{f['name']}")).content
-                if hashlib.sha256(data).hexdigest() != f["sha256"]:
-                    raise IntegrityError(f"{self.url}/meta/{f['name']}: sha256 does not match the listing; pull again")
-                tmp = dest / f".{f['name']}.part"
-                tmp.write_bytes(data)
-                os.replace(tmp, path)
-            fsync_dir(dest)
-        return files
+        `dest` (`reshard.io.client.publish.pull_meta`). Returns the server's list (name, size, sha256)."""
+        from reshard.io.client.publish import pull_meta
+
+        return pull_meta(self, dest)
 
     def meta_file(self, filename: str) -> bytes | None:
-        """One of the checkpoint's small files (`reshard.format.meta_files`), verified against the sha256
-        the server lists for it; None when the checkpoint has none."""
-        listed = {f["name"]: f for f in self._json("GET", f"{self.url}/meta")["files"]}
+        """One of the checkpoint's small files (`reshard.format.meta_files`), verified against the size and
+        sha256 the server lists for it; None when the checkpoint has none."""
+        listed = {f["name"]: f for f in self.meta_listing()}
         if filename not in listed:
             return None
-        data = self._call(lambda: self._http.get(f"{self.url}/meta/{filename}")).content
-        if hashlib.sha256(data).hexdigest() != listed[filename]["sha256"]:
-            raise IntegrityError(f"{self.url}/meta/{filename}: sha256 does not match the listing; fetch again")
-        return data
+        return b"".join(piece for _pos, _size, piece in self.meta_pieces(listed[filename]))
+
+    def meta_pieces(self, entry: dict[str, Any]) -> Iterator[tuple[int, int, bytes]]:
+        """(offset, size, bytes) of the listed small file `entry`: at most its listed size, hashed, checked."""
+        url = f"{self.url}/meta/{entry['name']}"
+        sha = hashlib.sha256()
+        with BackgroundHash(sha) as hasher:
+            yield from self._fetch(url, {}, start=0, etag=None, size=entry["size"], hasher=hasher, what=url)
+        if sha.hexdigest() != entry["sha256"]:
+            raise IntegrityError(f"{url}: sha256 of the {entry['size']} bytes received is {sha.hexdigest()}, the "
+                                 f"listing says {entry['sha256']}; nothing was written, pull again")
 
     def shard_url(self, rank: int) -> str:
         return f"{self.url}/shards/{rank}"
@@ -154,13 +180,13 @@ class ShardClient:
     def iter_shard(self, rank: int, tp: int | Layout, *, start: int = 0) -> Iterator[bytes]:
         """The shard's bytes from `start`, resuming after broken connections; verified at the end
         (the sha256 only when `start` is 0, since the bytes before it are not seen)."""
-        for _pos, _size, piece in self._pieces(rank, tp, start=start):
+        for _pos, _size, piece in self.pieces(rank, tp, start=start):
             yield piece
 
     def read_shard(self, rank: int, tp: int | Layout) -> bytearray:
         """The whole shard in memory (a safetensors file: `safetensors.torch.load(bytes(...))`)."""
         out: bytearray | None = None
-        for pos, size, piece in self._pieces(rank, tp):
+        for pos, size, piece in self.pieces(rank, tp):
             if out is None:
                 out = bytearray(size)
             out[pos : pos + len(piece)] = piece
@@ -169,127 +195,68 @@ class ShardClient:
 
     def pull(self, rank: int, tp: int | Layout, dest: str | os.PathLike[str], *, progress: bool | None = None,
              resume: bool = True) -> dict[str, Any]:
-        """Download to `dest` atomically (temp file + fsync + rename). A partial temp file left by an
-        earlier try of the same shard (same ETag) is resumed; a `dest` that is already this shard (its
-        size and the server's sha256) is verified and kept, nothing written (a full or read-only disk
-        is no obstacle then). Returns path, size, sha256, etag, resumed_from and kept.
+        """Download to `dest` atomically, resumably, parsed and checked before it is published
+        (`reshard.io.client.publish.pull_shard`). Returns path, size, sha256, etag, resumed_from and kept."""
+        from reshard.io.client.publish import pull_shard
 
-        A pull that fails before any byte lands leaves nothing: no `.part`, no `.part.json`, no
-        directory it made; one that fails later keeps its partial file to resume from (unless the
-        bytes are wrong: `IntegrityError`)."""
-        dest = Path(dest)
-        part, meta = dest.with_name(f".{dest.name}.part"), dest.with_name(f".{dest.name}.part.json")
-        head = self.head(rank, tp)
-        with made_dir(dest.parent, for_file=dest):
-            if dest.is_dir():
-                raise OutputPathError(f"{dest}: is a directory; give the file to write, e.g. {dest / rank_file_name(rank, as_world(tp))}")
-            digest = self._in_place(rank, tp, dest, head)
-            if digest is not None:
-                for p in (part, meta):  # a leftover of an earlier try: the shard is here already
-                    with contextlib.suppress(OSError):
-                        p.unlink()
-                return {"path": str(dest), "rank": rank, "tp": tp, "size": head.size, "sha256": digest,
-                        "etag": head.etag, "resumed_from": head.size, "kept": True}
-            start, digest = self._download(rank, tp, dest, part, meta, head, progress=progress, resume=resume)
-        return {"path": str(dest), "rank": rank, "tp": tp, "size": head.size, "sha256": digest,
-                "etag": head.etag, "resumed_from": start, "kept": False}
+        return pull_shard(self, rank, tp, dest, progress=progress, resume=resume)
 
-    def _in_place(self, rank: int, tp: int | Layout, dest: Path, head: ShardHead) -> str | None:
-        """The sha256 of `dest` if it already is the shard `head` describes (size, then the server's
-        sha256), else None."""
-        try:
-            if not dest.is_file() or dest.stat().st_size != head.size:
-                return None
-            digest = file_sha256(dest)
-        except OSError:  # unreadable: downloaded again (and any error of the output side said then)
-            return None
-        want = head.sha256
-        if want is None:
-            d = self.digest(rank, tp)
-            want = d["sha256"] if d["etag"] == head.etag else None  # changed meanwhile: download the new one
-        return digest if digest == want else None
-
-    def _download(self, rank: int, tp: int | Layout, dest: Path, part: Path, meta: Path, head: ShardHead, *,
-                  progress: bool | None, resume: bool) -> tuple[int, str]:
-        """Into `part` (resumed where `meta` names this shard's ETag), verified, renamed to `dest`;
-        (the offset it resumed from, sha256)."""
-        retry = f"run the same pull again (it resumes from {part.name})"
-        version = {"url": self.shard_url(rank), **layout_params(tp), "etag": head.etag}
-        sha, start = hashlib.sha256(), 0
-        resuming = resume and part.is_file() and _read_meta(meta) == version
-        bar = Progress(head.size, f"rank {rank}/{as_world(tp)}", enabled=progress)
-        try:
-            with output_errors(dest, retry=retry):  # out of space etc.: the partial file stays, to resume
-                if resuming:
-                    start = min(part.stat().st_size, head.size)
-                    with open(part, "rb") as f:  # the bytes already here count towards the digest
-                        left = start
-                        while left and (block := f.read(min(8 << 20, left))):
-                            sha.update(block)
-                            left -= len(block)
-                check_space(dest.parent, head.size - start, fix=f"free some space there or pull elsewhere, then {retry}")
-                if not resuming:
-                    meta.write_text(json.dumps(version))
-                bar.update(start)
-                with open(part, "r+b" if start else "wb", buffering=0) as f:
-                    f.truncate(start)
-                    f.seek(start)
-                    for _pos, _size, piece in self._pieces(rank, tp, start=start, etag=head.etag, sha=sha):
-                        view = memoryview(piece)
-                        while view:
-                            view = view[f.write(view):]
-                        bar.update(len(piece))
-                    os.fsync(f.fileno())
-                os.replace(part, dest)
-        except BaseException as e:
-            # wrong bytes, or nothing received yet: nothing worth resuming from
-            if isinstance(e, IntegrityError) or not _has_bytes(part):
-                for p in (part, meta):
-                    with contextlib.suppress(OSError):
-                        p.unlink()
-            raise
-        finally:
-            bar.close()
-        with contextlib.suppress(FileNotFoundError):
-            meta.unlink()
-        fsync_dir(dest.parent)
-        return start, sha.hexdigest()
-
-    def _pieces(self, rank: int, tp: int | Layout, *, start: int = 0, etag: str | None = None,
-                sha: Any = None) -> Iterator[tuple[int, int, bytes]]:
+    def pieces(self, rank: int, tp: int | Layout, *, start: int = 0, etag: str | None = None, size: int | None = None,
+               sha: Any = None) -> Iterator[tuple[int, int, bytes]]:
         """(offset, shard size, bytes) from `start`; `sha` is fed every byte when given (else a fresh
-        one when start is 0 and verification is on); `etag` pins the shard version."""
+        one when start is 0 and verification is on); `etag` and `size` pin the shard version (what `head`
+        said). Verified at the end against the server's sha256 (when hashed)."""
         if sha is None and start == 0 and self.verify:
             sha = hashlib.sha256()
-        with BackgroundHash(sha) as hasher:
-            yield from self._fetch(rank, tp, start=start, etag=etag, hasher=hasher)
-
-    def _fetch(self, rank: int, tp: int | Layout, *, start: int, etag: str | None,
-               hasher: BackgroundHash) -> Iterator[tuple[int, int, bytes]]:
-        pos, size, server_sha = start, None, None
         url, params = self.shard_url(rank), {**self.params, **layout_params(tp)}
-        tries = self._tries(lambda e: ReshardError(f"{url}?tp={tp}: giving up after {self.retries} retries at byte {pos}: {e}"))
+        what = f"{url}?{'&'.join(f'{k}={v}' for k, v in layout_params(tp).items())}"
+        with BackgroundHash(sha) as hasher:
+            server = yield from self._fetch(url, params, start=start, etag=etag, size=size, hasher=hasher, what=what)
+        if sha is not None and self.verify:
+            want = server.sha256
+            if want is None:
+                d = self.digest(rank, tp)
+                if d["etag"] != server.etag:
+                    raise IntegrityError(f"{what}: the shard changed on the server during the download")
+                want = d["sha256"]
+            got = sha.hexdigest()
+            if got != want:
+                raise IntegrityError(f"{what}: sha256 of the {server.size} bytes received is {got}, "
+                                     f"the server says {want}; pull again")
+
+    def _fetch(self, url: str, params: dict[str, Any], *, start: int, etag: str | None, size: int | None,
+               hasher: BackgroundHash, what: str) -> Iterator[tuple[int, int, bytes]]:
+        """GET `url`'s body from `start` (resumed with Range after failures), at most `size` bytes where it
+        is known, at the pace; returns its `ShardHead` (size, ETag, the sha256 the server sent)."""
+        pos, server_sha = start, None
+        pace = Pace(self.pace, what)
+        timeout = httpx.Timeout(self.timeout, connect=min(self.timeout, 10.0), read=self.pace.read_timeout(self.timeout))
+        tries = self._tries(lambda e: ReshardError(f"{what}: giving up after {self.retries} retries at byte {pos}: {e}"))
         while size is None or pos < size:
             headers = {"Accept-Encoding": "identity"}  # raw bytes are read: no content coding
             if pos:
                 headers["Range"] = f"bytes={pos}-"
             if pos and etag:
                 headers["If-Range"] = etag
+            pace.restart()
             try:
-                with self._http.stream("GET", url, params=params, headers=headers) as r:
+                with self._http.stream("GET", url, params=params, headers=headers, timeout=timeout) as r:
                     if r.status_code == 416 and pos and _total(r.headers.get("content-range")) == pos:
-                        size = pos  # the bytes before `start` were the whole shard
+                        size = pos  # the bytes before `start` were the whole body
                         break
-                    self._check(r)
+                    if r.status_code >= 400:
+                        self._check(r.status_code, _head_of(r), f"GET {r.request.url}")
                     got = r.headers.get("etag")
                     if etag is not None and got != etag:
-                        raise IntegrityError(f"{url}?tp={tp}: the shard changed on the server (ETag {etag} -> {got}); "
+                        raise IntegrityError(f"{what}: the shard changed on the server (ETag {etag} -> {got}); "
                                              "the bytes received so far are stale, pull again")
                     etag = got
-                    skip, total = _body_span(r, pos)
-                    if size is not None and total != size:
-                        raise IntegrityError(f"{url}?tp={tp}: size changed from {size} to {total} bytes")
-                    size = total
+                    skip, total = _body_span(r.status_code, r.headers, pos, what)
+                    if size is not None and total is not None and total != size:
+                        raise IntegrityError(f"{what}: the server said {size} bytes, now {total}")
+                    size = total if size is None else size
+                    if size is None:
+                        raise IntegrityError(f"{what}: the answer has no Content-Length; is this the service?")
                     server_sha = r.headers.get(SHA_HEADER) or server_sha
                     for piece in r.iter_raw():
                         if skip:
@@ -297,44 +264,45 @@ class ShardClient:
                             piece, skip = piece[cut:], skip - cut
                             if not piece:
                                 continue
+                        if pos + len(piece) > size:  # a body without a length, running past what was listed
+                            raise IntegrityError(f"{what}: the body runs past the {size} bytes it was listed with; "
+                                                 "nothing was written")
                         hasher.update(piece)
                         yield pos, size, piece
                         pos += len(piece)
-                        tries.progressed()
+                        if pace.got(len(piece)):  # a trickle is no progress: `Stalled` once under the pace
+                            tries.progressed()
                     if pos < size:
                         raise Retryable(f"connection closed at byte {pos} of {size}")
             except _RETRY_ON as e:
                 tries.failed(e)
         if size is None or pos != size:
-            raise IntegrityError(f"{url}?tp={tp}: received {pos} bytes, expected {size}")
-        if hasher.active and self.verify:
-            if server_sha is None:
-                d = self.digest(rank, tp)
-                if d["etag"] != etag:
-                    raise IntegrityError(f"{url}?tp={tp}: the shard changed on the server during the download")
-                server_sha = d["sha256"]
-            got = hasher.hexdigest()
-            if got != server_sha:
-                raise IntegrityError(f"{url}?tp={tp}: sha256 of the {size} bytes received is {got}, "
-                                     f"the server says {server_sha}; pull again")
+            raise IntegrityError(f"{what}: received {pos} bytes, expected {size}")
+        return ShardHead(size, etag or "", server_sha)
 
     # --- plumbing ----------------------------------------------------------------------------
 
-    def _json(self, method: str, url: str, **kw: Any) -> dict[str, Any]:
-        params = {**self.params, **kw.pop("params", {})}
-        r = self._call(lambda: self._http.request(method, url, params=params, **kw))
-        return r.json()
+    def _json(self, method: str, url: str, **kw: Any) -> Any:
+        return self._request(method, url, **kw).json()
 
-    def _call(self, do: Callable[[], httpx.Response]) -> httpx.Response:
-        """`do()`'s answer once it is not an error, tried again after broken connections and 5xx."""
+    def _request(self, method: str, url: str, *, params: dict[str, Any] | None = None,
+                 headers: dict[str, str] | None = None, timeout: Any = None, cap: int = MAX_JSON_BYTES) -> Answer:
+        """A small answer, read whole at the pace and at most `cap` bytes (an `IntegrityError` beyond), tried
+        again after broken connections, stalls and 5xx; a 4xx raised as the library error the server names."""
+        params = {**self.params, **(params or {})}
 
-        def checked() -> httpx.Response:
-            r = do()
-            self._check(r)
-            return r
+        def once() -> Answer:
+            pace = Pace(self.pace, f"{method} {url}")
+            with self._http.stream(method, url, params=params, headers=headers,
+                                   timeout=timeout or httpx.USE_CLIENT_DEFAULT) as r:
+                what = f"{method} {r.request.url}"
+                body = _head_of(r) if r.status_code >= 400 else _read_capped(r, cap, pace, what)
+                a = Answer(r.status_code, r.headers, body, what)
+            self._check(a.status, a.body, a.what)
+            return a
 
         tries = self._tries(lambda e: ReshardError(f"{self.url}: giving up after {self.retries} retries: {e}"))
-        return tries.call(checked, retry_on=_RETRY_ON)
+        return tries.call(once, retry_on=_RETRY_ON)
 
     def _tries(self, give_up: Callable[[BaseException], BaseException]) -> Retries:
         """The failures of one request or transfer: waits doubling from `backoff`, at most `RETRY_CAP`
@@ -342,23 +310,45 @@ class ShardClient:
         return Retries(Backoff(self.retries, self.backoff, RETRY_CAP), give_up=give_up)
 
     @staticmethod
-    def _check(r: httpx.Response) -> None:
+    def _check(status: int, body: bytes, what: str) -> None:
         """Raise the library error the server named for a 4xx; `Retryable` for a 5xx."""
-        if r.status_code < 400:
+        if status < 400:
             return
-        if not r.is_closed:
-            r.read()
-        if r.status_code in _RETRY_STATUS:
-            raise Retryable(f"HTTP {r.status_code}")
+        if status in _RETRY_STATUS:
+            raise Retryable(f"HTTP {status}")
         try:
-            body = r.json()
-            name, detail = str(body.get("error")), str(body.get("detail"))
+            obj = json.loads(body)
+            name, detail = str(obj.get("error")), str(obj.get("detail"))
         except (ValueError, AttributeError):
-            name, detail = "", r.text[:300]
+            name, detail = "", body[:300].decode(errors="replace")
         cls = getattr(errors, name, None)
         if not (isinstance(cls, type) and issubclass(cls, ReshardError)):
-            cls = NotFoundError if r.status_code == 404 else ReshardError
-        raise cls(f"{r.request.method} {r.request.url}: HTTP {r.status_code} {name}: {detail}")
+            cls = NotFoundError if status == 404 else ReshardError
+        raise cls(f"{what}: HTTP {status} {name}: {detail}")
+
+
+def _read_capped(r: httpx.Response, cap: int, pace: Pace, what: str) -> bytes:
+    """`r`'s (decoded) body, at most `cap` bytes, read at `pace`."""
+    length = r.headers.get("content-length", "")
+    if length.isdigit() and int(length) > cap and r.headers.get("content-encoding", "identity") == "identity":
+        raise IntegrityError(f"{what}: the answer is {length} bytes, over the {cap} a client takes")
+    body = bytearray()
+    for piece in r.iter_bytes():
+        body += piece
+        if len(body) > cap:
+            raise IntegrityError(f"{what}: the answer runs past the {cap} bytes a client takes")
+        pace.got(len(piece))
+    return bytes(body)
+
+
+def _head_of(r: httpx.Response) -> bytes:
+    """The first bytes of an error answer's body (enough to name the error; a huge one is not read)."""
+    out = bytearray()
+    for piece in r.iter_bytes():
+        out += piece
+        if len(out) >= _ERROR_BYTES:
+            break
+    return bytes(out[:_ERROR_BYTES])
 
 
 def _total(content_range: str | None) -> int | None:
@@ -366,27 +356,14 @@ def _total(content_range: str | None) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def _body_span(r: httpx.Response, pos: int) -> tuple[int, int]:
-    """(bytes to skip at the start of the body, total shard size) for a 200 or 206 answer."""
-    if r.status_code == 206:
-        m = _CONTENT_RANGE.match(r.headers.get("content-range", ""))
+def _body_span(status: int, headers: httpx.Headers, pos: int, what: str) -> tuple[int, int | None]:
+    """(bytes to skip at the start of the body, total size; None when a 200 names none) of a 200 or 206."""
+    if status == 206:
+        m = _CONTENT_RANGE.match(headers.get("content-range", ""))
         if m is None or int(m.group(1)) != pos:
-            raise IntegrityError(f"{r.request.url}: asked for bytes {pos}-, got Content-Range {r.headers.get('content-range')!r}")
+            raise IntegrityError(f"{what}: asked for bytes {pos}-, got Content-Range {headers.get('content-range')!r}")
         return 0, int(m.group(3))
-    if r.status_code != 200:
-        raise ReshardError(f"{r.request.url}: unexpected HTTP {r.status_code}")
-    return pos, int(r.headers["content-length"])  # the server ignored Range: skip what we have
-
-
-def _has_bytes(path: Path) -> bool:
-    try:
-        return path.stat().st_size > 0
-    except OSError:
-        return False
-
-
-def _read_meta(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
+    if status != 200:
+        raise ReshardError(f"{what}: unexpected HTTP {status}")
+    length = headers.get("content-length", "")
+    return pos, int(length) if length.isdigit() else None  # the server ignored Range: skip what we have

@@ -6,10 +6,11 @@
 
 from __future__ import annotations
 
+import base64
 import http.client
 import re
 import ssl
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 from reshard.errors import ReshardError
 from reshard.layout.mesh import Layout
@@ -18,6 +19,8 @@ from reshard.settings import env_name, library_settings
 TOKEN_ENV = env_name("token")
 SHA_HEADER = "x-reshard-sha256"
 RETRY_CAP = 10.0  # seconds: the longest wait between two tries of a request to the service (`reshard.io.retry`)
+# the most bytes a JSON answer of the service may have (a plan listing at the service's MAX_LISTED entries is ~170 MB)
+MAX_JSON_BYTES = 512 << 20
 # NAME, or NAME/optimizer: a training checkpoint's optimizer state (`reshard.service.catalog.PARTS`)
 _CKPT_URL = re.compile(r"^https?://[^/]+(/.*)?/v1/checkpoints/[A-Za-z0-9][A-Za-z0-9._-]*(/optimizer)?$")
 
@@ -26,9 +29,33 @@ def checkpoint_url(url: str) -> str:
     """`url` without a trailing slash, if it is a checkpoint URL of the service; else a `ReshardError`."""
     url = url.rstrip("/")
     if not _CKPT_URL.match(url):
-        raise ReshardError(f"{url!r} is not a checkpoint URL; expected http://HOST:PORT/v1/checkpoints/NAME "
+        raise ReshardError(f"{redact(url)!r} is not a checkpoint URL; expected http://HOST:PORT/v1/checkpoints/NAME "
                            "(or NAME/optimizer)")
     return url
+
+
+# `scheme://` followed by a URL's credentials (`user:password@`), up to the host
+_USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^/?#@\s]*@")
+
+
+def redact(text: str) -> str:
+    """`text` with the credentials (`user:password@`) of every URL in it taken out: what may be printed or logged."""
+    return _USERINFO.sub(r"\1", text)
+
+
+def without_credentials(url: str) -> tuple[str, dict[str, str]]:
+    """`url` without its `user:password@`, and the `Authorization: Basic` header they stand for (empty: none).
+
+    Every client of the service keeps only the URL this returns, so no message, log line or report it
+    makes can show the password; the header goes with its requests instead (as httpx would send a URL's
+    credentials: they take precedence over a bearer token)."""
+    u = urlsplit(url)
+    if "@" not in u.netloc:
+        return url, {}
+    userinfo, _, host = u.netloc.rpartition("@")
+    user, _, password = userinfo.partition(":")
+    pair = f"{unquote(user)}:{unquote(password)}".encode()
+    return urlunsplit(u._replace(netloc=host)), {"Authorization": "Basic " + base64.b64encode(pair).decode()}
 
 
 def layout_params(layout: int | Layout) -> dict[str, int]:
@@ -60,4 +87,5 @@ def connect(url: str, *, timeout: float) -> tuple[http.client.HTTPConnection, st
     return conn, u.path + (f"?{u.query}" if u.query else "")
 
 
-__all__ = ["RETRY_CAP", "SHA_HEADER", "TOKEN_ENV", "as_world", "auth_headers", "checkpoint_url", "connect", "layout_params"]
+__all__ = ["MAX_JSON_BYTES", "RETRY_CAP", "SHA_HEADER", "TOKEN_ENV", "as_world", "auth_headers", "checkpoint_url", "connect",
+           "layout_params", "redact", "without_credentials"]

@@ -14,7 +14,7 @@ import queue
 import threading
 from pathlib import Path
 
-from reshard.io.outfs import start_writeback
+from reshard.io.outfs import EXCLUSIVE, start_writeback
 
 SPAN = 4 << 20  # bytes per output buffer: assembled, then written by the file's own thread while the next fills
 FILL = 1 << 20  # bytes read into a buffer at a time, and hashed at once: still in the core's cache
@@ -73,13 +73,14 @@ class OutFile:
     written through the page cache, with its write-back to the disk started as it goes."""
 
     def __init__(self, path: Path, buffers: Buffers) -> None:
-        flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
+        flags = os.O_RDWR | EXCLUSIVE  # a temp file of its own (`temp_path`): never an existing file or a symlink
         try:
             self.fd, self.direct = os.open(path, flags | getattr(os, "O_DIRECT", 0), 0o666), hasattr(os, "O_DIRECT")
         except OSError as e:
             if e.errno != errno.EINVAL:
                 raise
-            self.fd, self.direct = os.open(path, flags, 0o666), False
+            # (the refused open may have made the file already: opened again as it is, still never through a link)
+            self.fd, self.direct = os.open(path, flags & ~os.O_EXCL, 0o666), False
         self.sha, self.size = hashlib.sha256(), 0
         self.error: BaseException | None = None
         self._buffers, self._mine = buffers, [buffers.take() for _ in range(BUFFERS)]
