@@ -111,9 +111,11 @@ def test_symlinks_planted_in_the_meta_directory_are_replaced_not_written_through
     dest = tmp_path / "m"
     dest.mkdir()
     (dest / "config.json").symlink_to(victim)
+    (dest / ".config.json.part").symlink_to(victim)  # where the temp file used to be, at a fixed name
     ShardClient(srv.url).pull_meta(dest)
     assert victim.read_bytes() == b"precious"
     assert not (dest / "config.json").is_symlink() and (dest / "config.json").read_bytes() == CONFIG
+    assert _everything(dest) == [".config.json.part", "config.json"]  # the planted link stays, unused
 
 
 # --- shards: the temp names, the deadline, the parse before publishing ------------------------------------
