@@ -296,7 +296,7 @@ def iter_tensors(header: RankHeader, rest: Iterable[memoryview | bytes], *, sha2
     for name, e in order:
         ended = f"{header.source}: stream ended inside tensor {name}"
         if only is not None and name not in only:
-            pending = _discard(e["data_offsets"][1] - e["data_offsets"][0], pending, chunks, sha, ended)
+            pending = _consume(e["data_offsets"][1] - e["data_offsets"][0], pending, chunks, sha, ended)
             continue
         t = torch.empty(e["shape"], dtype=TORCH_DTYPES[e["dtype"]])
         pending = _take(t, pending, chunks, sha, ended)
@@ -322,31 +322,25 @@ def _chunks(leftover: bytes | bytearray, rest: Iterable[memoryview | bytes]) -> 
 def _take(t: torch.Tensor, pending: memoryview, it: Iterator[memoryview], sha: Any, ended: str) -> memoryview:
     """Fill `t`'s bytes from `pending`, then from `it` (hashing what it takes when `sha`); what is left over."""
     dst = byte_view(t) if t.numel() else memoryview(bytearray())
+    return _consume(len(dst), pending, it, sha, ended, dst)
+
+
+def _consume(n: int, pending: memoryview, it: Iterator[memoryview], sha: Any, ended: str,
+             dst: memoryview | None = None) -> memoryview:
+    """Take `n` bytes from `pending`, then from `it` (hashing what it takes when `sha`), into `dst` if given
+    (else read past them); what is left over."""
     got = 0
-    while got < len(dst):
+    while got < n:
         if not pending:
             pending = next(it, None)  # type: ignore[arg-type]
             if pending is None:
                 raise IntegrityError(ended)
             if sha is not None:
                 sha.update(pending)
-        n = min(len(pending), len(dst) - got)
-        dst[got : got + n] = pending[:n]
-        pending, got = pending[n:], got + n
-    return pending
-
-
-def _discard(n: int, pending: memoryview, it: Iterator[memoryview], sha: Any, ended: str) -> memoryview:
-    """Take `n` bytes from `pending`, then from `it`, without keeping them (hashed when `sha`); what is left over."""
-    while n:
-        if not pending:
-            pending = next(it, None)  # type: ignore[arg-type]
-            if pending is None:
-                raise IntegrityError(ended)
-            if sha is not None:
-                sha.update(pending)
-        k = min(len(pending), n)
-        pending, n = pending[k:], n - k
+        k = min(len(pending), n - got)
+        if dst is not None:
+            dst[got : got + k] = pending[:k]
+        pending, got = pending[k:], got + k
     return pending
 
 

@@ -68,3 +68,39 @@ def test_a_wrong_digest_is_refused(llama_shards: dict[str, Path]) -> None:
     with pytest.raises(IntegrityError, match="does not match the recorded 0000"):
         fill_parameters(header, body, targets, sha256="0" * 64)
     body.close()
+
+
+def test_iter_tensors_checks_the_bodys_own_digest_and_never_allocates_what_it_reads_past(
+        llama_shards: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the vLLM plugin reads through: no `sha256` given, the body's recorded one is checked; a tensor left
+    out of `only` is hashed but never allocated, so a flipped byte in it is still found."""
+    import json
+
+    from reshard.fill import into_params
+
+    src = llama_shards["tp1"] / RANK_FILE
+    want = load_file(src)
+    recorded = json.loads((src.parent / "reshard.json").read_text())["files"][RANK_FILE]["sha256"]
+    skip = "model.embed_tokens.weight"
+    allocated: list[tuple[int, ...]] = []
+    real_empty = torch.empty
+    monkeypatch.setattr(into_params.torch, "empty", lambda shape, **kw: allocated.append(tuple(shape)) or
+                        real_empty(shape, **kw))
+
+    def pairs(path: Path) -> dict[str, torch.Tensor]:
+        body = file_body(path, sha256=recorded)
+        header, leftover = read_header_from(body, str(path))
+        return dict(into_params.iter_tensors(header, body, leftover=leftover, only=set(want) - {skip}))
+
+    got = pairs(src)
+    assert sorted(got) == sorted(set(want) - {skip}) and all(torch.equal(got[n], want[n]) for n in got)
+    assert sorted(allocated) == sorted(tuple(want[n].shape) for n in got)  # one each: none for the skipped one
+    data = bytearray(src.read_bytes())
+    with open(src, "rb") as f:  # a byte of the skipped tensor's data, flipped
+        n = int.from_bytes(f.read(8), "little")
+        begin = json.loads(f.read(n))[skip]["data_offsets"][0]
+    data[8 + n + begin] ^= 0xFF
+    bad = tmp_path / RANK_FILE
+    bad.write_bytes(data)
+    with pytest.raises(IntegrityError, match=rf"sha256 \w+ does not match the recorded {recorded}"):
+        pairs(bad)
