@@ -4,9 +4,9 @@ gathered pieces), sealed with their own checksum and checked before their bytes 
 A sealed file is its data, then `TRAILER` bytes: a magic and the sha256 of the data, written by the
 writer that hashed the bytes as it wrote them (`Sealer`). `open_sealed` opens one without following a
 symlink (a block replaced by a link to a file outside the cache is refused, not read) and checks it
-once per version of the file in this process: by its identity (device, inode, size and mtime in
-nanoseconds; the ctime is left out, as the store cache marks a block used by setting its atime). A file
-overwritten in place changes its mtime, so it is hashed again; one that does not match its seal (or has none, or is not a regular file) is deleted
+once per version of the file in this process: by its identity (device, inode, size, mtime and ctime in
+nanoseconds; readers that mark a file used set its atime at most once a minute, `touch_used`). A file
+overwritten in place changes its mtime and ctime, so it is hashed again; one that does not match its seal (or has none, or is not a regular file) is deleted
 and reported missing, so its owner fetches or gathers it again. A 8 MiB block costs a ~6 ms hash the
 first time a process opens it, nothing after.
 """
@@ -18,11 +18,11 @@ import hashlib
 import os
 import stat
 import threading
-from pathlib import Path
+import time
 
 from cachetools import LRUCache
 
-__all__ = ["TRAILER", "Sealer", "open_sealed"]
+__all__ = ["TRAILER", "Sealer", "open_sealed", "seal_fd", "touch_used"]
 
 MAGIC = b"RSHDSEAL"
 TRAILER = len(MAGIC) + 32
@@ -44,7 +44,7 @@ class Sealer:
 
 
 def _identity(st: os.stat_result) -> tuple[int, ...]:
-    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
 
 def open_sealed(path: str | os.PathLike[str], size: int | None = None) -> int | None:
@@ -90,11 +90,24 @@ def _matches(fd: int, n: int) -> bool:
     return os.pread(fd, TRAILER, n) == MAGIC + sha.digest()
 
 
-def seal_path(path: Path) -> None:
-    """Append the seal of `path`'s current bytes (for a file written out of order, read back once)."""
-    sealer = Sealer()
-    with open(path, "rb") as f:
-        while piece := f.read(8 << 20):
-            sealer.update(piece)
-    with open(path, "ab") as f:
-        f.write(sealer.trailer())
+def touch_used(fd: int, *, every: float = 60.0) -> None:
+    """Mark the file open on `fd` used now (its atime: the LRU clock of the caches that keep sealed files),
+    unless it was within `every` seconds: a touch changes the ctime, so the file is checked again."""
+    with contextlib.suppress(OSError):
+        st = os.fstat(fd)
+        if time.time() - st.st_atime > every:
+            os.utime(fd, ns=(time.time_ns(), st.st_mtime_ns))
+
+
+def seal_fd(fd: int, n: int) -> None:
+    """Append the seal of bytes [0, n) of the file open (read-write) on `fd`, for a file written out of
+    order: its bytes read back once."""
+    sealer, buf, at = Sealer(), bytearray(min(n, 8 << 20) or 1), 0
+    view = memoryview(buf)
+    while at < n:
+        got = os.preadv(fd, [view[: min(len(buf), n - at)]], at)
+        if got <= 0:
+            raise OSError(f"the file ended at byte {at} of {n} while it was sealed")
+        sealer.update(view[:got])
+        at += got
+    os.pwrite(fd, sealer.trailer(), n)

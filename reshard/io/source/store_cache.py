@@ -39,7 +39,6 @@ import mmap
 import os
 import re
 import threading
-import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -48,7 +47,7 @@ from reshard.errors import SourceChangedError
 from reshard.io.outfs import delete_oldest, flocked
 from reshard.io.owners import TAG, owner_gone, owner_tag
 from reshard.io.pread import pread_full
-from reshard.io.sealed import Sealer, open_sealed
+from reshard.io.sealed import Sealer, open_sealed, touch_used
 
 log = logging.getLogger("reshard.io")
 
@@ -100,8 +99,7 @@ def _opened(path: Path, size: int, *, hit: bool = True) -> Block | None:
     fd = open_sealed(path, size)
     if fd is None:
         return None
-    with contextlib.suppress(OSError):  # used now: its atime is the eviction's clock (the mtime dates its bytes)
-        os.utime(fd, ns=(time.time_ns(), os.fstat(fd).st_mtime_ns))
+    touch_used(fd)  # its atime is the eviction's clock (the mtime dates its bytes)
     return Block(fd, size, hit=hit)
 
 
