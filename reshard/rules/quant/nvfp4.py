@@ -34,6 +34,7 @@ BASES = ("column", "row", "packed_column", "vocab_embed", "expert_column", "expe
 BYTE = Axis(-1, 2, "byte of 2 FP4 values")
 GROUP_AXIS = Axis(-1, "group_size", "NVFP4 group")
 
+
 def _scheme(name: str, weight: str, scalars: tuple[str, str], description: str) -> QuantScheme:
     """One export of NVFP4: its weight's suffix and its two F32 scalars' (weight's global scale, input's)."""
     return register_part_kinds(QuantScheme(
