@@ -33,7 +33,7 @@ from reshard.layout.roles import source_roles
 from reshard.plan.planned import GroupLayout, LazySequence, PlannedTensors, TensorGroups
 from reshard.plan.reads import bytes_read
 from reshard.plan.segments import segments_for
-from reshard.plan.types import OutTensor, Plan, RankPlan, source_files
+from reshard.plan.types import OutTensor, Plan, RankPlan, data_order, source_files
 from reshard.rules.manifest import Manifest, Rule
 
 __all__ = ["LayoutPlanner", "LazyRanks", "RankPlanner", "make_plan", "make_planner", "resolve_rules"]
@@ -135,14 +135,14 @@ def _group_keys(tensors: Mapping[str, GlobalTensor], rules: Mapping[str, Rule]) 
 
 
 def _file_order(names: list[str], meta: Mapping[str, Any]) -> list[str]:
-    """`names` (sorted) in file order: largest item size first, then name (`data_order`); `names`
-    itself when every tensor has one item size."""
-    if len({DTYPE_SIZES[t.dtype] for t in meta.values()}) <= 1:
+    """`names` (sorted) in file order: largest item size first, then safetensors' dtype order, then name
+    (`data_order`); `names` itself when every tensor has one dtype."""
+    if len({t.dtype for t in meta.values()}) <= 1:
         return names
-    by_size: dict[int, list[str]] = {}
+    by_dtype: dict[str, list[str]] = {}
     for n in names:
-        by_size.setdefault(DTYPE_SIZES[meta[n].dtype], []).append(n)
-    return [n for size in sorted(by_size, reverse=True) for n in by_size[size]]
+        by_dtype.setdefault(meta[n].dtype, []).append(n)
+    return [n for dtype in sorted(by_dtype, key=lambda d: data_order("", d)) for n in by_dtype[dtype]]
 
 
 def _places(infos: Iterable[Any]) -> list[tuple[str, int]]:
