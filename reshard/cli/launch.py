@@ -66,6 +66,7 @@ from typing import Any
 
 from reshard import enable_import_cache
 from reshard.errors import ReshardError
+from reshard.io.owners import die_with
 from reshard.settings import env_name
 
 PROG = "reshard launch"
@@ -183,7 +184,7 @@ def run_rank(args: argparse.Namespace, env: dict[str, str], launcher: int) -> No
     code = 1
     try:
         os.setpgid(0, 0)
-        _die_with(launcher)
+        die_with(launcher)
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD):
             signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
         gc.enable()
@@ -215,16 +216,6 @@ def _reseed() -> None:
         torch.default_generator.seed()
     if numpy is not None:
         numpy.random.seed()
-
-
-def _die_with(launcher: int) -> None:
-    """SIGTERM this process when the launcher dies (Linux); exit now if it already has."""
-    with contextlib.suppress(Exception):
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
-    if os.getppid() != launcher:
-        os._exit(128 + signal.SIGTERM)
 
 
 def _exit_code(code: Any) -> int:
