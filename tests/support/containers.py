@@ -91,8 +91,8 @@ def container(image: str, *, name: str, port: int, env: dict[str, str], volumes:
         args += ["-e", f"{k}={v}"]
     for host, inside in volumes.items():
         args += ["-v", f"{host}:{inside}"]
-    podman(*args, image)
     try:
+        podman(*args, image)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             with contextlib.suppress(httpx.HTTPError):
