@@ -87,7 +87,8 @@ def add_commands(sub: Any) -> None:
                    help="with --workers N: a worker that does not answer the supervisor's ping within it is "
                         "killed and replaced (default 30)")
     p.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug", "trace"])
-    p.add_argument("--public-docs", action="store_true", default=None, help="/docs without the token")
+    p.add_argument("--public-docs", action="store_true", default=None,
+                   help="the API page (/docs, /redoc) and /openapi.json without the token")
     p.add_argument("--no-access-log", action="store_true", help="do not log every request")
     p.set_defaults(func=cmd_serve)
 

@@ -28,7 +28,8 @@ class Settings(BaseSettings):
     state: Path | None = Field(None, description="the workers' shared state (SQLite of jobs and digests, job locks); "
                                "default OUT/.jobs. Keep it off a file system you may remount read-only: an open "
                                "database keeps the remount from happening")
-    public_docs: bool = Field(False, description="serve /docs and /openapi.json without the token")
+    public_docs: bool = Field(False, description="serve the API page (/docs, /redoc, their files under "
+                              "/docs/assets) and /openapi.json without the token")
     max_upload_bytes: int = Field(64 << 30, ge=1, description="largest accepted upload (413 above it)")
     max_body_bytes: int = Field(1 * MiB, ge=1, description="largest JSON request body (manifests, jobs)")
     chunk_size: int = Field(8 * MiB, ge=64 << 10, le=256 * MiB, description="bytes per streamed chunk of what is "
