@@ -7,7 +7,7 @@ a file whose sha256 is known (device, inode, size, mtime and ctime in nanosecond
 - by every write into a directory (`reshard write`, `reshard.write_shards`, a service write job: the one
   write path, `reshard.io.sinks.write`), for each rank file it wrote (the sha256 is the writer's);
 - by a fill that hashed a rank file and found the recorded sha256;
-- by `check_file` (`reshard merge` of a directory whose rank files have recorded digests).
+- by `reshard merge` of a directory whose rank files have recorded digests (`check_recorded`).
 
 A later fill (`verify="auto"`, the default) whose file has the same identity and whose `reshard.json`
 records the same sha256 trusts it without hashing. Anything that rewrites the file in place changes
@@ -30,7 +30,6 @@ import os
 from pathlib import Path
 
 from reshard.cachedir import cache_dir as user_cache
-from reshard.errors import IntegrityError
 from reshard.settings import library_settings
 
 Identity = tuple[int, int, int, int, int]
@@ -98,16 +97,3 @@ def record_written(out_dir: str | os.PathLike[str], files: dict[str, dict]) -> i
 
 __all__ = ["cache_dir", "identity", "record", "record_written", "trusted"]
 
-
-def check_file(path: str | os.PathLike[str], sha256: str, *, fix: str) -> None:
-    """`IntegrityError` (naming the file and `fix`) unless `path` hashes to `sha256`: trusted without
-    hashing while it is unchanged since it was verified or written, else hashed (and recorded)."""
-    from reshard.io.hashing import file_sha256
-
-    with open(path, "rb") as f:
-        if trusted(f.fileno(), sha256):
-            return
-        got = file_sha256(Path(path))
-        if got != sha256:
-            raise IntegrityError(f"{path}: sha256 {got[:16]}... does not match the recorded {sha256[:16]}...: {fix}")
-        record(f.fileno(), sha256, path=path)

@@ -24,6 +24,7 @@ from reshard.format.rank_file import (
     parse_optimizer_tensor_name,
 )
 from reshard.format.selection import full_selection
+from reshard.io.hashing import file_sha256
 from reshard.io.outfs import (
     check_space,
     fsync_dir,
@@ -38,7 +39,7 @@ from reshard.io.source.opener import open_shards
 from reshard.io.source.rank_dir import ShardSet
 from reshard.io.source.remote_dir import copy_beside
 from reshard.io.source.stores import is_url
-from reshard.io.verified import check_file
+from reshard.io.verified import record, trusted
 from reshard.plan.segments import layout, segments_for
 from reshard.plan.types import OutTensor, RankPlan, source_files
 
@@ -111,6 +112,19 @@ def check_recorded(shards: ShardSet) -> None:
             raise IntegrityError(f"{info.path}: not among the rank files {where.name} records beside it: a file of "
                                  "another write; write or save the checkpoint again")
         check_file(info.path, recorded[name], fix="a file of another write, or damaged; write or save it again")
+
+
+def check_file(path: str | Path, sha256: str, *, fix: str) -> None:
+    """`IntegrityError` (naming the file and `fix`) unless `path` hashes to `sha256`: trusted without
+    hashing while it is unchanged since it was verified or written (`reshard.io.verified`), else hashed
+    (and recorded)."""
+    with open(path, "rb") as f:
+        if trusted(f.fileno(), sha256):
+            return
+        got = file_sha256(Path(path))
+        if got != sha256:
+            raise IntegrityError(f"{path}: sha256 {got[:16]}... does not match the recorded {sha256[:16]}...: {fix}")
+        record(f.fileno(), sha256, path=path)
 
 
 def _optimizer_src(src: str | Path) -> str | Path:
