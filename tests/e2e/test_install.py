@@ -1,7 +1,7 @@
 """The base install: reshard's wheel in a fresh virtual environment with no torch and no transformers runs
 `plan`, `write`, `serve` + `pull` and `merge` end to end, and never tries to import either.
 
-The environment (tests/support/base_venv.py) holds the wheel built from this checkout and exactly the
+The environment (tests.support.installs.py) holds the wheel built from this checkout and exactly the
 distributions its metadata requires; every import of torch or transformers in any of its processes is
 recorded and refused. The checkpoint is made here, by this process (bfloat16, two files + index), and
 every output is checked against it with torch on this side: rank tensors against `torch.chunk` of the
@@ -20,7 +20,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from tests.support.base_venv import HEAVY, BaseVenv
+from tests.support.installs import HEAVY, BaseVenv, fake_wheel, torch_choice
 from tests.support.live import live_server, make_ckpt
 
 pytestmark = pytest.mark.e2e
@@ -132,3 +132,31 @@ def test_serve_and_pull_without_torch(base: BaseVenv, root: Path, tmp_path: Path
         assert srv.alive(), srv.log()
     assert "Traceback" not in srv.log(), srv.log()
     _assert_no_imports(base)
+
+
+# --- ./run's torch build (scripts/torch_choice.py), on wheels pip finds in a folder ---------------------------
+
+CUDA_REQS = ["nvidia-cublas; platform_system == 'Linux'", "triton==9.9; platform_system == 'Linux'"]
+
+
+@pytest.mark.parametrize(("wheels", "gpu", "how", "says"), [
+    ({"9.0.0+cpu": []}, False, "default", "torch==9.0.0+cpu (it needs no CUDA package)"),
+    ({"9.0.0": CUDA_REQS}, False, "cpu-index", "torch==9.0.0, a CUDA build (2 CUDA packages): the CPU build from"),
+    ({"9.0.0": CUDA_REQS}, True, "default", "torch==9.0.0 (a CUDA build: nvidia-smi sees a GPU)"),
+    # a local CPU wheel beside the index's CUDA one (this machine's set-up): its local version sorts higher
+    ({"9.0.0": CUDA_REQS, "9.0.0+cpu": []}, False, "default", "torch==9.0.0+cpu"),
+    # CUDA packages for another platform only
+    ({"9.0.0": ["nvidia-cublas; platform_system == 'Windows'"]}, False, "default", "it needs no CUDA package"),
+])
+def test_torch_choice(tmp_path: Path, wheels: dict[str, list[str]], gpu: bool, how: str, says: str) -> None:
+    for version, reqs in wheels.items():
+        fake_wheel(tmp_path / "wheels", "torch", version, reqs)
+    (tmp_path / "pins.txt").write_text("torch==9.0.0\n")
+    got = torch_choice(tmp_path, "pins.txt", gpu=gpu)
+    assert got.split("\t")[0] == how and says in got, got
+
+
+def test_torch_choice_keeps_an_installed_torch(tmp_path: Path) -> None:
+    (tmp_path / "wheels").mkdir()
+    (tmp_path / "pins.txt").write_text(f"torch=={torch.__version__.split('+')[0]}\n")  # this environment's torch
+    assert torch_choice(tmp_path, "pins.txt", gpu=False) == f"keep\ttorch {torch.__version__} is installed and meets the pin"

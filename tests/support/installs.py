@@ -1,18 +1,21 @@
-"""A fresh virtual environment holding reshard's base install and nothing else: no torch, no transformers.
+"""Installs under test: reshard's base install in a fresh virtual environment, and `./run`'s torch choice.
 
     venv = BaseVenv.create(tmp / "venv", wheel_dir=tmp / "dist")
     venv.run("plan", ckpt, "--tp", "2")          # the venv's own `reshard` script, CompletedProcess
     venv.imports_attempted()                      # torch/transformers imports tried so far (with stacks)
+    fake_wheel(tmp / "wheels", "torch", "9.0.0", ["triton"])    # metadata-only wheels for pip to choose from
+    torch_choice(tmp, "pins.txt", gpu=False)      # scripts/torch_choice.py's line, pip seeing TMP/wheels only
 
-Made offline, in seconds, as a user's `pip install reshard-*.whl` would leave it:
+The venv holds the base install and nothing else (no torch, no transformers), made offline, in seconds,
+as a user's `pip install reshard-*.whl` would leave it:
 - the wheel is built from this checkout (`pip wheel --no-deps --no-build-isolation`: setuptools, the
   build backend, comes with the test extras) and installed with `pip --python VENV install --no-deps
   --no-index`, so its metadata, package data and `reshard` script are what a user gets;
 - its dependencies are what the wheel's metadata requires, no more: the closure of its `Requires-Dist`
   (without extras; with the extras a requirement names, `uvicorn[standard]`) over the distributions of
   this test environment, linked file by top-level entry into one directory that a `.pth` file adds.
-  A torch that the metadata required would be linked too and then found by the checks below, and
-  `pip check` in the venv proves every requirement is met without it;
+  A torch that the metadata required would be linked too and then found by tests/e2e/test_install.py,
+  and `pip check` in the venv proves every requirement is met without it;
 - a `sitecustomize.py` records every attempt to import torch or transformers (name and stack, into
   `imports.log`) and refuses it, in every process the venv's python starts (serve's workers too).
 """
@@ -37,7 +40,7 @@ REPO = Path(__file__).resolve().parents[2]
 HEAVY = ("torch", "transformers")  # what a base install never imports (pyproject's [train] and [fill] bring them)
 
 SITECUSTOMIZE = '''\
-"""Installed by tests/support/base_venv.py: an import of {heavy} is recorded and refused."""
+"""Installed by tests.support.installs.py: an import of {heavy} is recorded and refused."""
 import os, sys, traceback
 
 class _Refuse:
@@ -45,7 +48,7 @@ class _Refuse:
         if name.split(".")[0] in {heavy!r}:
             with open({log!r}, "a") as f:
                 f.write(f"pid {{os.getpid()}} imports {{name}}:\\n" + "".join(traceback.format_stack()) + "\\n")
-            raise ModuleNotFoundError(f"{{name}}: refused in a base install (tests/support/base_venv.py)", name=name)
+            raise ModuleNotFoundError(f"{{name}}: refused in a base install (tests.support.installs.py)", name=name)
         return None
 
 sys.meta_path.insert(0, _Refuse())
@@ -161,3 +164,34 @@ class BaseVenv:
 
     def imports_attempted(self) -> str:
         return self.log.read_text() if self.log.exists() else ""
+
+
+def fake_wheel(folder: Path, name: str, version: str, requires: list[str]) -> Path:
+    """A wheel with only metadata (and an empty package): what pip reads to choose among candidates."""
+    folder.mkdir(parents=True, exist_ok=True)
+    info = f"{name}-{version}.dist-info"
+    path = folder / f"{name}-{version}-py3-none-any.whl"
+    meta = "".join([f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n", *(f"Requires-Dist: {r}\n" for r in requires)])
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr(f"{name}/__init__.py", "")
+        z.writestr(f"{info}/METADATA", meta)
+        z.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        z.writestr(f"{info}/RECORD", "")
+    return path
+
+
+def torch_choice(tmp: Path, constraints: str, *, gpu: bool) -> str:
+    """`python scripts/torch_choice.py -c CONSTRAINTS` in `tmp` (its pip sees only TMP/wheels, no index), with
+    an `nvidia-smi` on PATH that sees a GPU or not; returns its line."""
+    bin_dir = tmp / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    smi = bin_dir / "nvidia-smi"
+    smi.write_text(f"#!/bin/sh\n{'echo GPU 0: fake' if gpu else 'echo no devices found >&2; exit 9'}\n")
+    smi.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")} | {
+        "PIP_CONFIG_FILE": os.devnull, "PIP_NO_INDEX": "1", "PIP_FIND_LINKS": str(tmp / "wheels"),
+        "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    r = subprocess.run([sys.executable, str(REPO / "scripts" / "torch_choice.py"), "-c", constraints], cwd=tmp,
+                       env=env, capture_output=True, text=True, timeout=120, check=False)
+    assert r.returncode == 0, r.stderr
+    return r.stdout.strip()
