@@ -1,7 +1,8 @@
 """The base install: reshard's wheel in a fresh virtual environment with no torch and no transformers runs
-`plan`, `write`, `serve` + `pull` and `merge` end to end, and never tries to import either.
+`plan`, `write`, `serve` (two workers) + `pull` and a write job, and `merge` end to end, and never tries to
+import either; and `./run`'s choice of torch build (scripts/torch_choice.py).
 
-The environment (tests.support.installs.py) holds the wheel built from this checkout and exactly the
+The environment (tests/support/installs.py) holds the wheel built from this checkout and exactly the
 distributions its metadata requires; every import of torch or transformers in any of its processes is
 recorded and refused. The checkpoint is made here, by this process (bfloat16, two files + index), and
 every output is checked against it with torch on this side: rank tensors against `torch.chunk` of the
@@ -12,6 +13,7 @@ source tensor for tensor.
 from __future__ import annotations
 
 import json
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,12 +23,12 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from tests.support.installs import HEAVY, BaseVenv, fake_wheel, torch_choice
-from tests.support.live import live_server, make_ckpt
+from tests.support.live import live_server, make_ckpt, run_job
 
 pytestmark = pytest.mark.e2e
 
 TP = 2
-NOT_IN_BASE = ("torch", "transformers", "triton", "nvidia-")  # nor any CUDA wheel
+NOT_IN_BASE = ("torch", "transformers", "triton", "nvidia-", "cuda-")  # nor any CUDA wheel
 SPLIT_DIM = {"column": 0, "vocab_embed": 0, "row": 1}  # the kinds a llama plan uses, and `replicate`
 
 
@@ -52,7 +54,7 @@ def _full(ckpt: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def _clean(r: object) -> None:
+def _clean(r: subprocess.CompletedProcess[str]) -> None:
     """Exit status 0 and no traceback."""
     assert r.returncode == 0 and "Traceback" not in r.stderr, (r.args, r.returncode, r.stderr)
 
@@ -117,7 +119,7 @@ def test_merge_without_torch(base: BaseVenv, root: Path, tmp_path: Path) -> None
     _assert_no_imports(base)
 
 
-def test_serve_and_pull_without_torch(base: BaseVenv, root: Path, tmp_path: Path) -> None:
+def test_serve_pull_and_jobs_without_torch(base: BaseVenv, root: Path, tmp_path: Path) -> None:
     _clean(base.run("write", root / "tiny", "--tp", TP, "-o", tmp_path / "out", "--no-progress"))
     with live_server(root, command=base.command(), environ=base.env(), workers=2, log_dir=tmp_path) as srv:
         for rank in range(TP):
@@ -129,6 +131,10 @@ def test_serve_and_pull_without_torch(base: BaseVenv, root: Path, tmp_path: Path
         assert (tmp_path / "meta" / "config.json").read_bytes() == (root / "tiny" / "config.json").read_bytes()
         with safe_open(str(tmp_path / "pulled-1.safetensors"), "np") as f:  # its self-description
             assert (f.metadata()["rank"], f.metadata()["tp"]) == ("1", str(TP))
+        job = run_job(srv.url, "tiny", TP)  # a write job in the service's worker
+        assert job["state"] == "done", job
+        for path in map(Path, job["outputs"]):
+            assert path.read_bytes() == (tmp_path / "out" / path.name).read_bytes()
         assert srv.alive(), srv.log()
     assert "Traceback" not in srv.log(), srv.log()
     _assert_no_imports(base)
