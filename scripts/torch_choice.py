@@ -53,7 +53,7 @@ def choose(report: dict[str, Any], *, gpu: bool) -> tuple[str, str]:
         return "default", f"{found} (it needs no CUDA package)"
     if gpu:
         return "default", f"{found} (a CUDA build: nvidia-smi sees a GPU)"
-    return "cpu-index", f"no NVIDIA GPU here and pip offers {found}, a CUDA build ({len(cuda)} CUDA packages): " \
+    return "cpu-index", f"no NVIDIA GPU here and pip offers {found}, a CUDA build (it requires {len(cuda)} CUDA packages): " \
                         f"the CPU build from {CPU_INDEX}"
 
 

@@ -147,7 +147,7 @@ CUDA_REQS = ["nvidia-cublas; platform_system == 'Linux'", "triton==9.9; platform
 
 @pytest.mark.parametrize(("wheels", "gpu", "how", "says"), [
     ({"9.0.0+cpu": []}, False, "default", "torch==9.0.0+cpu (it needs no CUDA package)"),
-    ({"9.0.0": CUDA_REQS}, False, "cpu-index", "torch==9.0.0, a CUDA build (2 CUDA packages): the CPU build from"),
+    ({"9.0.0": CUDA_REQS}, False, "cpu-index", "torch==9.0.0, a CUDA build (it requires 2 CUDA packages): the CPU build from"),
     ({"9.0.0": CUDA_REQS}, True, "default", "torch==9.0.0 (a CUDA build: nvidia-smi sees a GPU)"),
     # a local CPU wheel beside the index's CUDA one (this machine's set-up): its local version sorts higher
     ({"9.0.0": CUDA_REQS, "9.0.0+cpu": []}, False, "default", "torch==9.0.0+cpu"),

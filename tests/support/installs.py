@@ -40,7 +40,7 @@ REPO = Path(__file__).resolve().parents[2]
 HEAVY = ("torch", "transformers")  # what a base install never imports (pyproject's [train] and [fill] bring them)
 
 SITECUSTOMIZE = '''\
-"""Installed by tests.support.installs.py: an import of {heavy} is recorded and refused."""
+"""Installed by tests/support/installs.py: an import of {heavy} is recorded and refused."""
 import os, sys, traceback
 
 class _Refuse:
@@ -48,7 +48,7 @@ class _Refuse:
         if name.split(".")[0] in {heavy!r}:
             with open({log!r}, "a") as f:
                 f.write(f"pid {{os.getpid()}} imports {{name}}:\\n" + "".join(traceback.format_stack()) + "\\n")
-            raise ModuleNotFoundError(f"{{name}}: refused in a base install (tests.support.installs.py)", name=name)
+            raise ModuleNotFoundError(f"{{name}}: refused in a base install (tests/support/installs.py)", name=name)
         return None
 
 sys.meta_path.insert(0, _Refuse())
