@@ -30,8 +30,10 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-CPU_INDEX = "https://download.pytorch.org/whl/cpu"
-CUDA_PREFIXES = ("nvidia-", "cuda-", "triton")
+if __package__ in (None, "") and str(ROOT) not in sys.path:  # run as `python scripts/install_resolve.py`: for `scripts.*`
+    sys.path.insert(0, str(ROOT))
+
+from scripts.torch_choice import CPU_INDEX, CUDA_PREFIXES  # noqa: E402
 
 
 def no_pip_config_env() -> dict[str, str]:
