@@ -103,6 +103,8 @@ def verify_merge(original: Path, trained: Path, merged: Path) -> int:
     import torch
     from safetensors import safe_open
 
+    from reshard.format.torch_side import TORCH_DTYPES
+
     src, out = Checkpoint.open(original), Checkpoint.open(merged)
     if set(src.tensors) != set(out.tensors):
         raise DemoError(f"merged names differ from the original: {sorted(set(src.tensors) ^ set(out.tensors))[:3]}")
@@ -116,9 +118,19 @@ def verify_merge(original: Path, trained: Path, merged: Path) -> int:
             got = f.get_tensor(name).double()
         if tuple(got.shape) != src.tensors[name].shape or not torch.equal(got, full):
             raise DemoError(f"merged {name} does not match the trained rank shards")
-    if out.config != src.config:
-        raise DemoError("merged config.json differs from the original")
+    # the trainer saves in the dtype it trained in, and its config.json says which (trainer.build.with_dtype)
+    stored = {str(TORCH_DTYPES[t.dtype]).removeprefix("torch.") for t in out.tensors.values()}
+    named = {out.config[k] for k in DTYPE_KEYS if k in out.config}
+    if _but_dtype(out.config) != _but_dtype(src.config) or not named <= stored:
+        raise DemoError(f"merged config.json differs from the original (its dtype {sorted(named)}, tensors {sorted(stored)})")
     return len(out.tensors)
+
+
+DTYPE_KEYS = ("dtype", "torch_dtype")
+
+
+def _but_dtype(config: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in config.items() if k not in DTYPE_KEYS}
 
 
 def ascii_plot(values: list[float], width: int = 60, height: int = 10) -> str:
