@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from reshard.errors import CheckpointError, PlanError
-from reshard.format.checkpoint import CONFIG_NAME, INDEX_NAME, SINGLE_NAME
+from reshard.format.checkpoint import INDEX_NAME, SINGLE_NAME
 from reshard.format.rank_file import OPTIMIZER_DIR, OPTIMIZER_SLOTS, parse_optimizer_tensor_name
 from reshard.format.selection import full_selection
 from reshard.io.outfs import (
@@ -28,11 +28,12 @@ from reshard.io.outfs import (
     write_json_atomic,
 )
 from reshard.io.progress import Progress
+from reshard.io.sinks.target import check_not_source
 from reshard.io.sinks.writer import write_files
 from reshard.io.source.opener import open_shards
 from reshard.io.source.rank_dir import ShardSet
-from reshard.io.source.remote_dir import copy_beside
-from reshard.io.source.stores import is_url
+from reshard.io.source.remote_dir import copy_meta_files
+from reshard.io.source.stores import check_scheme, is_url
 from reshard.plan.segments import layout, segments_for
 from reshard.plan.types import OutTensor, RankPlan, source_files
 
@@ -67,7 +68,9 @@ def merge(src: str | Path, out: str | Path, *, max_file_bytes: int = DEFAULT_MAX
           progress: bool | None = None, optimizer: bool = False) -> dict[str, Any]:
     """Merge the rank shards in `src` into an HF checkpoint in `out`; returns a summary. With `optimizer`,
     `src` is a training checkpoint and its AdamW moments are merged too (the module docstring)."""
+    check_scheme(out)
     shards = open_shards(src)
+    check_not_source(out, shards.root, command="merge", shards=True)
     moments = open_shards(_optimizer_src(src)) if optimizer else None  # refused before anything is written
     summary = _merge_into(shards, out, merge_plans(shards, max_file_bytes=max_file_bytes), progress)
     if moments is not None:
@@ -105,7 +108,6 @@ def _merge_into(shards: ShardSet, out: str | Path, plans: list[tuple[str, RankPl
         if len(plans) > 1:
             weight_map = {t.name: fname for fname, p in plans for t in p.tensors}
             write_json_atomic(out / INDEX_NAME, {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))})
-        if shards.config is not None:  # read (and validated) from config.json when the shards were opened
-            copy_beside(shards.root, CONFIG_NAME, out / CONFIG_NAME)
-    return {"files": [f for f, _ in plans], "tensors": sum(len(p.tensors) for _, p in plans), "bytes": total,
+        kept = copy_meta_files(shards.root, out)  # config.json (validated when the shards were opened), tokenizer...
+    return {"files": [f for f, _ in plans], "kept": kept, "tensors": sum(len(p.tensors) for _, p in plans), "bytes": total,
             "tp": shards.tp, "layout": shards.layout.sizes()}
