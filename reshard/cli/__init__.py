@@ -127,6 +127,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _run(args: argparse.Namespace) -> int:
     try:
         return int(args.func(args) or 0)
+    except BrokenPipeError:  # stdout's reader left (`reshard plan ... --json | head`): as other tools, quietly
+        with contextlib.suppress(OSError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush has nowhere to fail
+        return 128 + signal.SIGPIPE
     except ModuleNotFoundError as e:  # an optional package a command needs (torch, transformers)
         if args.debug or e.name is None or "." in e.name or e.name.startswith("reshard"):
             raise

@@ -32,8 +32,9 @@ def add_common_flags(p: argparse.ArgumentParser, *, top: bool = False) -> None:
     g = p.add_argument_group("common options")
     g.add_argument("--debug", action="store_true", default=False if top else argparse.SUPPRESS,
                    help="show the traceback of an error instead of its one line")
-    g.add_argument("--log-level", choices=LOG_LEVELS, default=DEFAULT_LOG_LEVEL if top else argparse.SUPPRESS,
-                   type=str.lower, help=f"diagnostics shown on stderr from this level up (default {DEFAULT_LOG_LEVEL})")
+    g.add_argument("--log-level", choices=LOG_LEVELS, default=None if top else argparse.SUPPRESS, type=str.lower,
+                   help=f"diagnostics shown on stderr from this level up (default {DEFAULT_LOG_LEVEL}; `serve`: "
+                   "uvicorn's level, default info)")
 
 
 def add_json_flag(p: argparse.ArgumentParser, what: str = "the result") -> None:
@@ -60,8 +61,9 @@ class _Lines(logging.Formatter):
         return f"reshard: {record.levelname.lower()}: {record.getMessage()}"
 
 
-def setup_logging(level: str) -> None:
-    """The `reshard` logger's lines (`reshard: warning: ...`) on stderr from `level` up."""
+def setup_logging(level: str | None) -> None:
+    """The `reshard` logger's lines (`reshard: warning: ...`) on stderr from `level` up (None: warning)."""
+    level = level or DEFAULT_LOG_LEVEL
     handler = next((h for h in log.handlers if getattr(h, "_reshard_cli", False)), None)
     if handler is None:
         handler = logging.StreamHandler(sys.stderr)

@@ -22,7 +22,6 @@ from reshard.io.sinks.writer import PARTIAL_NAME
 from reshard.io.source.remote_dir import RemoteDirectory
 from reshard.io.source.stores import RemotePath, is_url
 from reshard.layout.mesh import Layout
-from reshard.plan.types import Plan
 
 
 def same_place(a: Any, b: Any) -> bool:
@@ -46,16 +45,16 @@ def check_not_source(out: str | os.PathLike[str], source_root: Any, *, command: 
                           "to put the rank files beside its weights)")
 
 
-def other_layout_files(out: str | os.PathLike[str], plan: Plan) -> tuple[list[str], str]:
-    """(the rank files under `out` of another layout than `plan`'s, and the record and partial record that
+def other_layout_files(out: str | os.PathLike[str], layout: Layout) -> tuple[list[str], str]:
+    """(the rank files under `out` of another layout than `layout`, and the record and partial record that
     vouch for them; which layout they are of)."""
     names = _names(out)
     ranked = {n: parsed[1] for n in names if (parsed := parse_rank_file_name(n)) is not None}
     recorded = _recorded_layout(out) if MANIFEST_NAME in names else None
-    if recorded is not None and recorded != plan.layout and ranked:
+    if recorded is not None and recorded != layout and ranked:
         stale, theirs = sorted(ranked), recorded.describe()
     else:
-        stale = sorted(n for n, world in ranked.items() if world != plan.world)
+        stale = sorted(n for n, world in ranked.items() if world != layout.world)
         worlds = sorted({ranked[n] for n in stale})
         theirs = f"world{'s' if len(worlds) > 1 else ''} of {', '.join(map(str, worlds))} ranks"
     if stale:
@@ -63,13 +62,13 @@ def other_layout_files(out: str | os.PathLike[str], plan: Plan) -> tuple[list[st
     return stale, theirs
 
 
-def check_target(out: str | os.PathLike[str], plan: Plan, *, force: bool) -> list[str]:
-    """Refuse (unless `force`) an output that holds rank files of another layout than `plan`'s; the
+def check_target(out: str | os.PathLike[str], layout: Layout, *, force: bool) -> list[str]:
+    """Refuse (unless `force`) an output that holds rank files of another layout than `layout`; the
     names to remove first when `force`."""
-    stale, theirs = other_layout_files(out, plan)
+    stale, theirs = other_layout_files(out, layout)
     if stale and not force:
         n = sum(parse_rank_file_name(s) is not None for s in stale)
-        raise OutputPathError(f"-o {out}: holds {n} rank files of {theirs}, not {plan.layout.describe()}; write into a "
+        raise OutputPathError(f"-o {out}: holds {n} rank files of {theirs}, not {layout.describe()}; write into a "
                               "new folder, or add --force to replace them")
     return stale
 

@@ -55,7 +55,7 @@ def write_shards(
     """
     check_scheme(out)
     check_not_source(out, ckpt.root, command="write", shards=isinstance(ckpt, ShardSet), force=force)
-    stale = check_target(out, plan, force=force)
+    stale = check_target(out, plan.layout, force=force)
     if stale:
         remove_names(out, stale)
     if is_url(out):

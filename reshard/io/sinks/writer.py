@@ -214,6 +214,16 @@ def complete_record(record: dict[str, Any], ckpt: Source, plan: Plan) -> dict[st
     return record
 
 
+def pulled_record(files: dict[str, Any], *, plan: dict[str, Any], source_url: str,
+                  config: dict[str, Any] | None) -> dict[str, Any]:
+    """What `reshard.json` says of rank files pulled from the service (`reshard write URL`): the service's
+    plan (`plan_to_json`'s head: tp, layout, digest, manifest source) in place of a local one."""
+    return {"files": files, "format": "reshard/1", "tp": plan["tp"],
+            **({"layout": plan["layout"], "world": plan["world"]} if plan.get("layout") else {}),
+            "plan": plan["plan"], "source": {"url": source_url}, "manifest": {"source": plan["manifest_source"]},
+            "config": config}
+
+
 class _Published:
     """The rank files of one plan that are in place: those an earlier run recorded (reshard.json, or
     `.reshard-partial.json` while a set is incomplete) and still match, plus those this run publishes.
