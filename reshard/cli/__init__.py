@@ -140,7 +140,7 @@ def _run(args: argparse.Namespace) -> int:
         if args.debug:
             raise
         print(f"reshard: error: {e}", file=sys.stderr)
-        return 1
+        return int(getattr(e, "exit_status", 1))
     except OSError as e:  # one the command did not type (an output error is typed where it happens)
         if args.debug:
             raise

@@ -56,7 +56,17 @@ def command(sub: Any, name: str, *, help: str, description: str | None = None, e
     return p
 
 
-class _Lines(logging.Formatter):
+class _Stderr(logging.StreamHandler):  # type: ignore[type-arg]
+    """`reshard: warning: ...` lines on whatever `sys.stderr` is when a record is emitted."""
+
+    @property  # type: ignore[override]
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: Any) -> None:
+        pass
+
     def format(self, record: logging.LogRecord) -> str:
         return f"reshard: {record.levelname.lower()}: {record.getMessage()}"
 
@@ -64,14 +74,8 @@ class _Lines(logging.Formatter):
 def setup_logging(level: str | None) -> None:
     """The `reshard` logger's lines (`reshard: warning: ...`) on stderr from `level` up (None: warning)."""
     level = level or DEFAULT_LOG_LEVEL
-    handler = next((h for h in log.handlers if getattr(h, "_reshard_cli", False)), None)
-    if handler is None:
-        handler = logging.StreamHandler(sys.stderr)
-        handler._reshard_cli = True  # type: ignore[attr-defined]
-        handler.setFormatter(_Lines())
-        log.addHandler(handler)
-        log.propagate = False
-    handler.setStream(sys.stderr)  # the current stderr (tests capture it per test)
+    if not any(isinstance(h, _Stderr) for h in log.handlers):
+        log.addHandler(_Stderr())
     log.setLevel(logging.DEBUG if level == "trace" else getattr(logging, level.upper()))
 
 

@@ -40,6 +40,12 @@ def _settings(args: argparse.Namespace) -> Any:
         raise ReshardError(f"serve: {problems} (flags or RESHARD_* environment variables)") from None
 
 
+class CannotServe(ReshardError):
+    """`reshard serve` cannot start where it was told to: exit status 3, as when uvicorn cannot bind."""
+
+    exit_status = 3
+
+
 def check_port(host: str, port: int) -> None:
     """One line, before uvicorn starts, when `host:port` cannot be bound (in use, not this machine's address,
     privileged): uvicorn would only log `[Errno 98]`. Bound as uvicorn binds (SO_REUSEADDR), then released."""
@@ -48,7 +54,7 @@ def check_port(host: str, port: int) -> None:
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as e:
-        raise ReshardError(f"serve: --host {host}: {e.strerror}; give an address of this machine, e.g. 127.0.0.1 or "
+        raise CannotServe(f"serve: --host {host}: {e.strerror}; give an address of this machine, e.g. 127.0.0.1 or "
                            "0.0.0.0") from None
     family, _, _, _, addr = infos[0]
     with socket.socket(family, socket.SOCK_STREAM) as s:
@@ -57,15 +63,15 @@ def check_port(host: str, port: int) -> None:
             s.bind(addr)
         except OSError as e:
             if e.errno == errno.EADDRINUSE:
-                raise ReshardError(f"serve: port {port} on {host} is in use (another reshard serve?); pick a free one "
+                raise CannotServe(f"serve: port {port} on {host} is in use (another reshard serve?); pick a free one "
                                    "with --port N (or RESHARD_PORT), or stop what holds it") from None
             if e.errno == errno.EACCES:
-                raise ReshardError(f"serve: port {port} needs privileges this user lacks; pick one above 1023 with "
+                raise CannotServe(f"serve: port {port} needs privileges this user lacks; pick one above 1023 with "
                                    "--port N") from None
             if e.errno == errno.EADDRNOTAVAIL:
-                raise ReshardError(f"serve: --host {host} is not an address of this machine; give 127.0.0.1 (this "
+                raise CannotServe(f"serve: --host {host} is not an address of this machine; give 127.0.0.1 (this "
                                    "machine only) or 0.0.0.0 (every interface)") from None
-            raise ReshardError(f"serve: cannot bind {host}:{port}: {e.strerror}; pick another --host or --port") from None
+            raise CannotServe(f"serve: cannot bind {host}:{port}: {e.strerror}; pick another --host or --port") from None
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -130,4 +136,4 @@ def add_commands(sub: Any) -> None:
     p.set_defaults(func=cmd_serve)
 
 
-__all__ = ["ReshardError", "add_commands", "cmd_serve"]
+__all__ = ["CannotServe", "ReshardError", "add_commands", "check_port", "cmd_serve"]
