@@ -19,7 +19,8 @@ from reshard.format.rank_file import decode_metadata, parse_rank_file_name, rank
 from reshard.io.client.body import ShardBody, file_body, get_json
 from reshard.io.client.shard_prefetch import take as take_prefetched
 from reshard.io.client.wire import checkpoint_url
-from reshard.io.source.stores import check_scheme, is_url
+from reshard.io.source.schemes import check_scheme
+from reshard.io.source.stores import is_url
 from reshard.layout.mesh import Layout
 
 

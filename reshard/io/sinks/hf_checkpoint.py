@@ -33,7 +33,8 @@ from reshard.io.sinks.writer import write_files
 from reshard.io.source.opener import open_shards
 from reshard.io.source.rank_dir import ShardSet
 from reshard.io.source.remote_dir import copy_meta_files
-from reshard.io.source.stores import check_scheme, is_url
+from reshard.io.source.schemes import check_scheme
+from reshard.io.source.stores import is_url
 from reshard.plan.segments import layout, segments_for
 from reshard.plan.types import OutTensor, RankPlan, source_files
 

@@ -27,7 +27,8 @@ from reshard.io.sinks.target import check_not_source, check_target, remove_names
 from reshard.io.sinks.writer import write_to_dir
 from reshard.io.source.mapped_files import MAPS
 from reshard.io.source.rank_dir import ShardSet
-from reshard.io.source.stores import check_scheme, is_url
+from reshard.io.source.schemes import check_scheme
+from reshard.io.source.stores import is_url
 from reshard.io.verified import record_written
 from reshard.plan.types import Plan
 

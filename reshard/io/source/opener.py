@@ -19,7 +19,8 @@ from reshard.errors import CheckpointError, ManifestError
 from reshard.format.checkpoint import INDEX_NAME, SINGLE_NAME, Checkpoint
 from reshard.io.source.rank_dir import ShardSet, has_rank_files, is_shard_dir
 from reshard.io.source.remote_dir import RemoteDirectory
-from reshard.io.source.stores import RemotePath, check_scheme, is_url
+from reshard.io.source.schemes import check_scheme
+from reshard.io.source.stores import RemotePath, is_url
 from reshard.rules.engines import apply_engine
 from reshard.rules.from_config import RULES_FILES, from_config, resolve_manifest
 from reshard.rules.manifest import Manifest

@@ -38,21 +38,9 @@ _CONFIG_VARS = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_REGION", "AWS_DE
                 "AWS_ALLOW_HTTP", "AWS_SKIP_SIGNATURE", *SECRET_VARS, "GOOGLE_APPLICATION_CREDENTIALS")
 
 
-SCHEME_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
-
-
 def is_url(spec: Any) -> bool:
     """Whether `spec` names a remote checkpoint (s3://, gs://, hf://, http(s)://) rather than a path."""
     return isinstance(spec, str) and bool(URL_RE.match(spec))
-
-
-def check_scheme(spec: Any) -> None:
-    """A `CheckpointError` for a URL of a scheme reshard cannot read or write (ftp://, file://...), which
-    would otherwise be taken for a local path."""
-    m = SCHEME_RE.match(spec) if isinstance(spec, str) else None
-    if m is not None and not is_url(spec):
-        raise CheckpointError(f"{spec}: the URL scheme {m.group(1)}:// is not supported; give a local path, s3://, "
-                              "gs://, hf://, http(s):// or the service's http://HOST:PORT/v1/checkpoints/NAME")
 
 
 @dataclass(frozen=True)
