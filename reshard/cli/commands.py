@@ -117,7 +117,8 @@ def _report_write(args: argparse.Namespace, record: dict[str, Any], manifest: st
         return 0
     where = args.out if is_url(args.out) else Path(args.out)
     done = ", ".join(f"{rank_list(record[k])} {k}" for k in ("kept", "written") if record.get(k))
-    print(f"wrote {len(record['files'])} rank files ({human(total)} in {where}{': ' + done if done else ''}), "
+    count = len(record["kept"]) + len(record["written"]) if "written" in record else len(record["files"])
+    print(f"wrote {count} rank files ({human(total)} in {where}{': ' + done if done else ''}), "
           f"manifest: {manifest}")
     return 0
 
@@ -152,14 +153,15 @@ def _write_training_rest(args: argparse.Namespace, moments: Path, record: dict[s
 
     out = Path(args.out)
     ockpt, oplan = _plan(args, source=moments)
-    orecord = write_shards(ockpt, oplan, out / OPTIMIZER_DIR, progress=args.progress)
+    orecord = write_shards(ockpt, oplan, out / OPTIMIZER_DIR, progress=args.progress, force=args.force)
     files = {**{k: f["sha256"] for k, f in record["files"].items()},
              **{f"{OPTIMIZER_DIR}/{k}": f["sha256"] for k, f in orecord["files"].items()}}
     layout, step, seed = oplan.layout, int(state["step"]), int(state["extra"].get("seed", 0))
     write_json_atomic(out / STATE_NAME, relaid_state(state, layout=layout, files=files, rng=[
         seeded_rng(reseed(seed, step, r)) for r in range(layout.world)]))
-    log.info("training checkpoint at step %d: optimizer re-laid out too, %s for %s (each rank's RNG reseeded from "
-             "(seed, step, rank))", step, STATE_NAME, layout.describe())
+    if not args.json:  # a result of the write, as its last line is
+        print(f"training checkpoint at step {step}: optimizer re-laid out too, {STATE_NAME} for {layout.describe()} "
+              "(each rank's RNG reseeded from (seed, step, rank))")
     return sum(f["size"] for f in orecord["files"].values())
 
 
