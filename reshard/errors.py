@@ -36,8 +36,8 @@ class TpMismatchError(PlanError):
     does not fit, `fix` the tensor's own way out, `pad` whether the rule's `pad: true` would make it fit;
     the planner replaces `fix` by the tp values that plan the whole checkpoint (`reshard.plan.advice`)."""
 
-    def __init__(self, fact: str, fix: str, *, pad: bool = False, where: str = "") -> None:
-        super().__init__(f"{fact}; {fix}{where}")
+    def __init__(self, fact: str, fix: str = "", *, pad: bool = False, where: str = "") -> None:
+        super().__init__(f"{fact}; {fix}{where}" if fix else f"{fact}{where}")
         self.fact, self.fix, self.pad, self.where = fact, fix, pad, where
 
 

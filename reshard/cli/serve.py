@@ -22,7 +22,7 @@ def _settings(args: argparse.Namespace) -> Any:
 
     flags = {
         "root": args.root, "host": args.host, "port": args.port, "token": args.token, "out": args.out,
-        "max_upload_bytes": args.max_upload_bytes, "chunk_size": args.chunk_size, "log_level": args.log_level,  # uvicorn's
+        "max_upload_bytes": args.max_upload_bytes, "chunk_size": args.chunk_size, "log_level": getattr(args, "log_level", None),  # uvicorn's
         "public_docs": args.public_docs, "workers": args.workers, "zero_copy": args.zero_copy,
         "gather_cache": args.gather_cache, "store_cache": args.store_cache, "store_cache_dir": args.store_cache_dir,
         "max_header_bytes": args.max_header_bytes,
