@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from reshard.cli.common import add_json_flag, command, log, print_json
-from reshard.cli.remote import is_checkpoint_url, meta_here, plan_from_service, pull_here, write_from_service
+from reshard.cli.remote import is_service_url, meta_here, plan_from_service, pull_here, write_from_service
 from reshard.errors import CheckpointError, PlanError
 from reshard.format.rank_file import OPTIMIZER_DIR, rank_file_name
 from reshard.io.progress import add_progress_flags, human
@@ -50,7 +50,7 @@ def optimizer_dir(checkpoint: str | Path) -> Path | None:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    if is_checkpoint_url(args.checkpoint):
+    if is_service_url(args.checkpoint):
         info, out = plan_from_service(args.checkpoint, layout_of(args), args, tensors=args.json)
         for w in out.get("warnings", ()):
             log.warning("%s", w)
@@ -98,7 +98,7 @@ def _print_plan(checkpoint: str, head: dict[str, Any], ranks: Any, opt: dict[int
 
 def cmd_write(args: argparse.Namespace) -> int:
     ranks = parse_ranks(args.ranks) if args.ranks else None
-    if is_checkpoint_url(args.checkpoint):
+    if is_service_url(args.checkpoint):
         record = write_from_service(args.checkpoint, layout_of(args), args.out, args, ranks=ranks)
         return _report_write(args, record, record["manifest"]["source"])
     moments = optimizer_dir(args.checkpoint)
@@ -243,7 +243,7 @@ def cmd_pull(args: argparse.Namespace) -> int:
                         "(config and tokenizer)")
     layout.check_rank(args.rank)
     out = Path(args.out or rank_file_name(args.rank, layout.world))
-    if is_checkpoint_url(args.url):
+    if is_service_url(args.url):
         from reshard.io.client.shard_client import ShardClient  # httpx only when pulling from the service
 
         with ShardClient(args.url, token=args.token, retries=args.retries, rules=args.rules, engine=args.engine) as client:
@@ -267,7 +267,7 @@ def cmd_pull(args: argparse.Namespace) -> int:
 def _pull_meta(args: argparse.Namespace) -> int:
     if not args.out:
         raise PlanError("reshard pull --meta: give the directory to copy the files into with -o DIR")
-    if is_checkpoint_url(args.url):
+    if is_service_url(args.url):
         from reshard.io.client.shard_client import ShardClient
 
         with ShardClient(args.url, token=args.token, retries=args.retries) as client:

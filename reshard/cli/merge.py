@@ -9,7 +9,7 @@ import argparse
 from typing import Any
 
 from reshard.cli.common import add_json_flag, command, print_json
-from reshard.cli.remote import is_checkpoint_url, merge_from_service
+from reshard.cli.remote import is_service_url, merge_from_service
 from reshard.errors import PlanError
 from reshard.io.progress import add_progress_flags, human
 from reshard.io.sinks.hf_checkpoint import DEFAULT_MAX_FILE, merge
@@ -17,7 +17,7 @@ from reshard.layout.mesh import Layout
 
 
 def cmd_merge(args: argparse.Namespace) -> int:
-    if is_checkpoint_url(args.shards):
+    if is_service_url(args.shards):
         if args.optimizer:
             raise PlanError(f"{args.shards}: --optimizer merges a local (or store) training checkpoint's optimizer/; "
                             "from the service, pull its rank files with `reshard write URL ... -o DIR` first")

@@ -29,7 +29,14 @@ from reshard.io.source.remote_dir import copy_meta_files, meta_files_at
 from reshard.layout.mesh import Layout
 from reshard.plan.planner import make_plan
 
-__all__ = ["is_checkpoint_url", "merge_from_service", "meta_here", "plan_from_service", "pull_here", "write_from_service"]
+__all__ = ["is_service_url", "merge_from_service", "meta_here", "plan_from_service", "pull_here", "write_from_service"]
+
+
+def is_service_url(spec: Any) -> bool:
+    """Whether `spec` names the service: its checkpoint URL, or an http(s) URL through `/v1/checkpoints/` that
+    is not quite one (`ShardClient` then says what is wrong with it, rather than a static server's 404)."""
+    return is_checkpoint_url(spec) or (isinstance(spec, str) and spec.lower().startswith(("http://", "https://"))
+                                       and "/v1/checkpoints/" in spec)
 
 
 def _client(url: str, args: argparse.Namespace, *, rules: bool = True) -> Any:
