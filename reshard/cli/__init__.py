@@ -24,7 +24,7 @@ from importlib import import_module
 from typing import Any
 
 from reshard import enable_import_cache
-from reshard.cli.common import VersionAction, add_common_flags, setup_logging
+from reshard.cli.common import HelpFormatter, VersionAction, add_common_flags, setup_logging
 from reshard.errors import ReshardError, missing_dependency
 
 # reshard's numpy gathers bytes and does no linear algebra: no OpenBLAS thread pool, whose threads spin for
@@ -85,7 +85,7 @@ checkpoint URL (http://HOST:PORT/v1/checkpoints/NAME), for every command that ta
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="reshard", description="Per-rank tensor-parallel shards of safetensors checkpoints.",
-                                     epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     epilog=EPILOG, formatter_class=HelpFormatter)
     parser.add_argument("--version", action=VersionAction)
     add_common_flags(parser, top=True)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")

@@ -46,12 +46,22 @@ def examples(*lines: str) -> str:
     return "examples:\n" + "\n".join(f"  {line}" for line in lines)
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """argparse's wrapping, but for the examples and for text laid out by hand (lines indented, as in a
+    module docstring), which keep their lines."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        if text.startswith("examples:") or "\n    " in text or "\n  " in text:
+            return "".join(indent + line for line in text.splitlines(keepends=True))
+        return super()._fill_text(text, width, indent)
+
+
 def command(sub: Any, name: str, *, help: str, description: str | None = None, examples_: tuple[str, ...] = ()
             ) -> argparse.ArgumentParser:
     """A subcommand parser with the common flags and its examples at the end of `--help`."""
     p = sub.add_parser(name, help=help, description=description or help[:1].upper() + help[1:] + ".",
                        epilog=examples(*examples_) if examples_ else None,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+                       formatter_class=HelpFormatter)
     add_common_flags(p)
     return p
 

@@ -65,7 +65,7 @@ import traceback
 from typing import Any
 
 from reshard import enable_import_cache
-from reshard.cli.common import add_common_flags, command, examples, setup_logging
+from reshard.cli.common import HelpFormatter, add_common_flags, command, examples, setup_logging
 from reshard.errors import ReshardError, require
 from reshard.settings import env_name
 
@@ -367,7 +367,7 @@ def add_commands(sub: Any) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0], epilog=examples(*EXAMPLES),
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                formatter_class=HelpFormatter)
     add_common_flags(p, top=True)
     add_arguments(p)
     args = p.parse_args(argv)
