@@ -4,11 +4,11 @@
 Each subcommand module of this package registers itself through `add_commands(sub)`; this file
 only dispatches and turns a `ReshardError` (or a stray `OSError`, or a missing optional package) into
 one line on stderr and exit status 1; `--debug`, anywhere on the line, shows the traceback instead.
-The flags every command shares (`--debug`, `--log-level`, `--json`, `--version`) are `reshard.cli.common`'s. SIGINT and SIGTERM stop a command the
-same way: the first one raises `Interrupted` (a `KeyboardInterrupt`) in the main thread, so what is
-being written is cleaned up as on any failure (temp files removed, multipart uploads aborted), and
-the command exits 128 + the signal number with one line; a signal that arrives during that cleanup
-is ignored. `serve` has its own graceful shutdown (uvicorn's) and keeps it.
+The flags every command shares (`--debug`, `--log-level`, `--json`, `--version`) are `reshard.cli.common`'s.
+SIGINT and SIGTERM stop a command the same way: the first one raises `Interrupted` (a
+`KeyboardInterrupt`) in the main thread, so what is being written is cleaned up as on any failure
+(temp files removed, multipart uploads aborted), and the command exits 128 + the signal number with
+one line; a signal that arrives during that cleanup is ignored. `serve` has its own graceful shutdown (uvicorn's) and keeps it.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import Any
 
 from reshard import enable_import_cache
 from reshard.cli.common import HelpFormatter, VersionAction, add_common_flags, setup_logging
-from reshard.errors import ReshardError, missing_dependency
+from reshard.errors import EXTRA_OF, ReshardError, missing_dependency
 
 # reshard's numpy gathers bytes and does no linear algebra: no OpenBLAS thread pool, whose threads spin for
 # a while once started and would take a core from the command (unless the user set it)
@@ -132,7 +132,7 @@ def _run(args: argparse.Namespace) -> int:
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush has nowhere to fail
         return 128 + signal.SIGPIPE
     except ModuleNotFoundError as e:  # an optional package a command needs (torch, transformers)
-        if args.debug or e.name is None or "." in e.name or e.name.startswith("reshard"):
+        if args.debug or e.name not in EXTRA_OF:  # anything else is a broken install: its traceback says which
             raise
         print(f"reshard: error: {missing_dependency(e.name, f'reshard {args.command}')}", file=sys.stderr)
         return 1
