@@ -26,6 +26,8 @@ from reshard.io.sinks.target import check_target, remove_names
 from reshard.io.sinks.writer import MANIFEST_NAME, pulled_record, write_files
 from reshard.io.source.opener import open_source
 from reshard.io.source.remote_dir import copy_meta_files, meta_files_at
+from reshard.io.source.schemes import check_scheme
+from reshard.io.source.stores import is_url
 from reshard.layout.mesh import Layout
 from reshard.plan.planner import make_plan
 
@@ -61,8 +63,10 @@ def write_from_service(url: str, layout: Layout, out: str, args: argparse.Namesp
                        ranks: list[int] | None = None) -> dict[str, Any]:
     """Pull the rank files of `layout` (or `ranks` of it) into the directory `out`, with the checkpoint's small
     files and `reshard.json`; the record, with `kept` and `written` (ranks) as `write_shards` gives them."""
-    if not Path(out).is_dir() and str(out).startswith(("s3://", "gs://")):
-        raise OutputPathError(f"-o {out}: from the service, `reshard write` writes into a local folder")
+    check_scheme(out)
+    if is_url(out):
+        raise OutputPathError(f"-o {out}: from the service, `reshard write` writes into a local folder; write from "
+                              "the checkpoint's own path or store URL to write into a store")
     stale = check_target(out, layout, force=args.force)
     wanted = ranks if ranks is not None else list(range(layout.world))
     for r in wanted:
