@@ -35,6 +35,7 @@ from reshard.errors import (
     HeaderError,
     IntegrityError,
     ManifestError,
+    MissingDependencyError,
     NoSpaceError,
     NotFoundError,
     OutputError,
@@ -96,6 +97,7 @@ _STATUS: dict[type[BaseException], int] = {
     OutputError: 507, NoSpaceError: 507, QuotaError: 507, ReadOnlyError: 503,
     OutputPermissionError: 503, OutputPathError: 409, OutputIOError: 503,
     StateUnavailableError: 503, StateFullError: 507,
+    MissingDependencyError: 503,  # the server lacks a package (torch, transformers) for what was asked
 }
 _STATUS_NAMES = {400: "BadRequest", 401: "Unauthorized", 403: "Forbidden", 404: "NotFound",
                  405: "MethodNotAllowed", 408: "RequestTimeout", 409: "Conflict", 413: "PayloadTooLarge",

@@ -82,7 +82,7 @@ CASES: dict[str, tuple[tuple[str, bytes], int, str, str]] = {
     "tp-absurd": (_get(f"{S}/0?tp=5000"), 422, "ValidationError", "query.tp: Input should be less than or equal to 4096"),
     "tp-huge": (_get(f"{S}/0?tp={BIG}"), 422, "ValidationError", "query.tp: Unable to parse input string"),
     "tp-max-not-divisible": (_get(f"{S}/0?tp=4096"), 422, "PlanError", "not divisible by tp=4096"),
-    "tp-not-divisible": (_get(f"{S}/0?tp=3"), 422, "PlanError", "not divisible by tp=3; set `pad: true`"),
+    "tp-not-divisible": (_get(f"{S}/0?tp=3"), 422, "PlanError", "not divisible by tp=3; pick a tp that plans this checkpoint: 1, 2, 4"),
     "tp-word": (_get(f"{S}/0?tp=two"), 422, "ValidationError", "query.tp: Input should be a valid integer"),
     "tp-float": (_get(f"{S}/0?tp=1.5"), 422, "ValidationError", "query.tp: Input should be a valid integer"),
     "tp-empty": (_get(f"{S}/0?tp="), 422, "ValidationError", "query.tp: Input should be a valid integer"),

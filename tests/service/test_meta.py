@@ -58,7 +58,7 @@ def test_pull_meta_copies_them(meta_server: Any, tmp_path: Path, capsys: pytest.
     out = tmp_path / "model"
     args = ["pull", srv.ckpt_url("m"), "--meta", "-o", str(out), "--token", "tok"]
     assert main(args) == 0
-    assert "pulled 4 small files" in capsys.readouterr().err
+    assert "pulled 4 small files" in capsys.readouterr().out
     assert sorted(p.name for p in out.iterdir()) == sorted(["config.json", *SMALL])
     assert all((out / n).read_bytes() == (ckpt / n).read_bytes() for n in SMALL)
     assert json.loads((out / "config.json").read_text())["vocab_size"] == 1000

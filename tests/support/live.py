@@ -140,7 +140,7 @@ def live_server(root: Path, *, token: str | None = None, out: Path | None = None
         if _wait_healthy(srv, startup_timeout, workers):
             break
         _stop(proc)
-        if "address already in use" not in srv.log():
+        if "address already in use" not in srv.log() and " is in use " not in srv.log():  # uvicorn's, or serve's own
             raise RuntimeError(f"reshard serve did not start:\n{srv.log()}")
     else:
         raise RuntimeError("reshard serve: no free port after 3 tries")

@@ -51,7 +51,7 @@ from reshard.io.client.wire import checkpoint_url as as_checkpoint_url
 from reshard.io.hashing import BackgroundHash, file_sha256
 from reshard.io.outfs import check_space, fsync_dir, made_dir, output_errors
 from reshard.io.progress import Progress
-from reshard.io.retry import Backoff, Retries, Retryable
+from reshard.io.retry import Backoff, Retries, Retryable, announce
 from reshard.layout.mesh import Layout
 
 _CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/(\d+)$")
@@ -339,7 +339,8 @@ class ShardClient:
     def _tries(self, give_up: Callable[[BaseException], BaseException]) -> Retries:
         """The failures of one request or transfer: waits doubling from `backoff`, at most `RETRY_CAP`
         seconds; `give_up(error)` raised after `retries` of them in a row."""
-        return Retries(Backoff(self.retries, self.backoff, RETRY_CAP), give_up=give_up)
+        return Retries(Backoff(self.retries, self.backoff, RETRY_CAP), give_up=give_up,
+                       on_retry=announce(self.url, self.retries))
 
     @staticmethod
     def _check(r: httpx.Response) -> None:

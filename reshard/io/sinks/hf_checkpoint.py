@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from reshard.errors import CheckpointError, IntegrityError, PlanError
-from reshard.format.checkpoint import CONFIG_NAME, INDEX_NAME, MANIFEST_NAME, SINGLE_NAME, parse_json
+from reshard.format.checkpoint import INDEX_NAME, MANIFEST_NAME, SINGLE_NAME, parse_json
 from reshard.format.rank_file import (
     OPTIMIZER_DIR,
     OPTIMIZER_SLOTS,
@@ -34,10 +34,12 @@ from reshard.io.outfs import (
     write_json_atomic,
 )
 from reshard.io.progress import Progress
+from reshard.io.sinks.target import check_not_source
 from reshard.io.sinks.writer import write_files
 from reshard.io.source.opener import open_shards
 from reshard.io.source.rank_dir import ShardSet
-from reshard.io.source.remote_dir import copy_beside
+from reshard.io.source.remote_dir import copy_meta_files
+from reshard.io.source.schemes import check_scheme
 from reshard.io.source.stores import is_url
 from reshard.io.verified import record, trusted
 from reshard.plan.segments import layout, segments_for
@@ -74,7 +76,9 @@ def merge(src: str | Path, out: str | Path, *, max_file_bytes: int = DEFAULT_MAX
           progress: bool | None = None, optimizer: bool = False) -> dict[str, Any]:
     """Merge the rank shards in `src` into an HF checkpoint in `out`; returns a summary. With `optimizer`,
     `src` is a training checkpoint and its AdamW moments are merged too (the module docstring)."""
+    check_scheme(out)
     shards = open_shards(src)
+    check_not_source(out, shards.root, command="merge", shards=True)
     moments = open_shards(_optimizer_src(src)) if optimizer else None  # refused before anything is written
     for s in (shards, moments):
         if s is not None:
@@ -152,7 +156,6 @@ def _merge_into(shards: ShardSet, out: str | Path, plans: list[tuple[str, RankPl
         if len(plans) > 1:
             weight_map = {t.name: fname for fname, p in plans for t in p.tensors}
             write_json_atomic(out / INDEX_NAME, {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))})
-        if shards.config is not None:  # read (and validated) from config.json when the shards were opened
-            copy_beside(shards.root, CONFIG_NAME, out / CONFIG_NAME)
-    return {"files": [f for f, _ in plans], "tensors": sum(len(p.tensors) for _, p in plans), "bytes": total,
+        kept = copy_meta_files(shards.root, out)  # config.json (validated when the shards were opened), tokenizer...
+    return {"files": [f for f, _ in plans], "kept": kept, "tensors": sum(len(p.tensors) for _, p in plans), "bytes": total,
             "tp": shards.tp, "layout": shards.layout.sizes()}
