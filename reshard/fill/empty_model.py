@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from reshard.errors import CheckpointError
+from reshard.errors import CheckpointError, require
 from reshard.format.checkpoint import CONFIG_NAME
 from reshard.io.client.body import get_json
 from reshard.io.client.wire import checkpoint_url, redact
@@ -51,6 +51,7 @@ def empty_tp_model(
     """transformers' model for `config` (a source as in `source_config`, a config.json dict or a
     `PretrainedConfig`), tensor-parallel by its own `tp_plan` over `tp` ranks (default: the world),
     materialized on `device` with uninitialized parameters. `auto_class` defaults to AutoModelForCausalLM."""
+    require("transformers", what="empty_tp_model (a transformers model)")
     import transformers
     from transformers.distributed import DistributedConfig
 
@@ -109,6 +110,7 @@ def _warm_build(raw: dict[str, Any], auto_class: Any) -> None:
 
 def hf_config(config: dict[str, Any]) -> Any:
     """The transformers config object for a config.json dict (`model_type` picks the class)."""
+    require("transformers", what="building a transformers model (the trainer, empty_tp_model)")
     from transformers import CONFIG_MAPPING
 
     model_type = config.get("model_type")

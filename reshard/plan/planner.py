@@ -22,7 +22,7 @@ from itertools import accumulate
 from operator import attrgetter
 from typing import Any
 
-from reshard.errors import PlanError
+from reshard.errors import PlanError, TpMismatchError
 from reshard.format.checkpoint import DTYPE_SIZES, GlobalTensor, Source, whole_infos
 from reshard.format.rank_file import FORMAT, HeaderEncoder, header_prefix, tensor_json
 from reshard.format.selection import full_selection, selection_shape
@@ -30,10 +30,11 @@ from reshard.gcpause import paused_gc
 from reshard.layout.mesh import MAX_WORLD, Layout
 from reshard.layout.placement import Placement
 from reshard.layout.roles import source_roles
+from reshard.plan.advice import advised
 from reshard.plan.planned import GroupLayout, LazySequence, PlannedTensors, TensorGroups
 from reshard.plan.reads import bytes_read
 from reshard.plan.segments import segments_for
-from reshard.plan.types import OutTensor, Plan, RankPlan, source_files
+from reshard.plan.types import OutTensor, Plan, RankPlan, data_order, source_files
 from reshard.rules.manifest import Manifest, Rule
 
 __all__ = ["LayoutPlanner", "LazyRanks", "RankPlanner", "make_plan", "make_planner", "resolve_rules"]
@@ -44,8 +45,9 @@ class RankPlanner:
     offsets and header entry with list comprehensions."""
 
     def __init__(self, tensors: Mapping[str, GlobalTensor], files: dict[str, tuple[int, int | str]],
-                 rules: Mapping[str, Rule], placement: Placement) -> None:
+                 rules: Mapping[str, Rule], placement: Placement, *, manifest_source: str = "rules") -> None:
         self.tensors, self.files, self.rules, self.placement = tensors, files, rules, placement
+        self.manifest_source = manifest_source  # for the advice when a tp does not fit (`reshard.plan.advice`)
         keys, meta, loc = _group_keys(tensors, rules)
         gid_of = {key: gid for gid, key in enumerate(dict.fromkeys(keys))}  # numbered in source order
         src = list(tensors)
@@ -74,7 +76,10 @@ class RankPlanner:
         if hit is None:
             self.placement.layout.check_rank(rank)
             # in source order, so the first bad tensor is the one an error names
-            hit = self._layouts[rank] = [self._layout(name, self.tensors[name], rank) for name in self.firsts]
+            try:
+                hit = self._layouts[rank] = [self._layout(name, self.tensors[name], rank) for name in self.firsts]
+            except TpMismatchError as e:  # named with the tp values that fit every tensor, not this one alone
+                raise advised(e, self.tensors, self.rules, manifest_source=self.manifest_source) from None
         return hit
 
     def forget(self, rank: int) -> None:
@@ -135,14 +140,14 @@ def _group_keys(tensors: Mapping[str, GlobalTensor], rules: Mapping[str, Rule]) 
 
 
 def _file_order(names: list[str], meta: Mapping[str, Any]) -> list[str]:
-    """`names` (sorted) in file order: largest item size first, then name (`data_order`); `names`
-    itself when every tensor has one item size."""
-    if len({DTYPE_SIZES[t.dtype] for t in meta.values()}) <= 1:
+    """`names` (sorted) in file order: largest item size first, then safetensors' dtype order, then name
+    (`data_order`); `names` itself when every tensor has one dtype."""
+    if len({t.dtype for t in meta.values()}) <= 1:
         return names
-    by_size: dict[int, list[str]] = {}
+    by_dtype: dict[str, list[str]] = {}
     for n in names:
-        by_size.setdefault(DTYPE_SIZES[meta[n].dtype], []).append(n)
-    return [n for size in sorted(by_size, reverse=True) for n in by_size[size]]
+        by_dtype.setdefault(meta[n].dtype, []).append(n)
+    return [n for dtype in sorted(by_dtype, key=lambda d: data_order("", d)) for n in by_dtype[dtype]]
 
 
 def _places(infos: Iterable[Any]) -> list[tuple[str, int]]:
@@ -199,9 +204,10 @@ class LayoutPlanner:
     stage, the experts they hold), made when a rank of it is first asked for."""
 
     def __init__(self, tensors: Mapping[str, GlobalTensor], files: dict[str, tuple[int, int | str]],
-                 rules: Mapping[str, Rule], placement: Placement) -> None:
+                 rules: Mapping[str, Rule], placement: Placement, *, manifest_source: str = "rules") -> None:
         # tensors of one rule placed differently (experts) group apart: their rules split once, for every rank
         self.tensors, self.files, self.rules, self.placement = tensors, files, placement.rules_for(rules), placement
+        self.manifest_source = manifest_source
         self.layout = placement.layout
         self._planners: dict[tuple[int, ...], RankPlanner] = {}
 
@@ -215,7 +221,8 @@ class LayoutPlanner:
         hit = self._planners.get(key)
         if hit is None:
             held = self.tensors if c is None else self.placement.held(self.tensors, c)
-            hit = self._planners[key] = RankPlanner(held, self.files, self.rules, self.placement)
+            hit = self._planners[key] = RankPlanner(held, self.files, self.rules, self.placement,
+                                                    manifest_source=self.manifest_source)
         return hit
 
     def layouts(self, rank: int) -> list[GroupLayout]:
@@ -254,7 +261,7 @@ def make_planner(ckpt: Source, manifest: Manifest, layout: Layout | int, *,
             roles = source_roles(getattr(ckpt, "config", None), shapes)
         placement = Placement(layout, roles)
         placement.check()
-        planner = LayoutPlanner(tensors, files, rules, placement)
+        planner = LayoutPlanner(tensors, files, rules, placement, manifest_source=manifest.source)
     identity: dict[str, Any] = {"source": ckpt.identity(), "manifest": manifest.digest(), "tp": layout.tp, "format": FORMAT}
     if roles is not None:
         identity.update(layout=layout.sizes(), roles=roles.digest())

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from reshard.format.checkpoint import DTYPE_SIZES, Source
+from reshard.format.headers import DTYPE_RANK
 from reshard.format.rank_file import describe_tensor, rank_file_name
 from reshard.format.selection import Selection, full_selection
 from reshard.layout.mesh import MAX_WORLD, Layout
@@ -97,9 +98,10 @@ def check_tp(tp: Any, rank: Any = None) -> None:
         layout.check_rank(rank)
 
 
-def data_order(name: str, dtype: str) -> tuple[int, str]:
-    """Tensor order in a file: largest item size first, then name (as safetensors does)."""
-    return (-DTYPE_SIZES[dtype], name)
+def data_order(name: str, dtype: str) -> tuple[int, int, str]:
+    """Tensor order in a file: largest item size first, then safetensors' dtype order (`DTYPE_RANK`), then name
+    (as safetensors does)."""
+    return (-DTYPE_SIZES[dtype], -DTYPE_RANK[dtype], name)
 
 
 def source_files(ckpt: Source) -> dict[str, tuple[int, int | str]]:

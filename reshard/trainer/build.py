@@ -67,8 +67,10 @@ def build_model(
     config, chunks, sha, name = open_cut_stream(source, rank, layout, token=token)
     header, leftover = read_header_from(chunks, name)
     header.check(rank, layout, fix=f"give it rank {rank}'s shard of {layout.describe()}")
+    quant = Dequantizer(header.tensors, header.dtypes())
+    quant.check_trainable()
     if dtype is None:
-        Dequantizer(header.tensors, header.dtypes()).check_keep()
+        quant.check_keep()
     dtype_used = dtype or stored_dtype(header)
     model = meta_model(hf_config(config), dtype=dtype_used, attn_implementation=attn_implementation)
     tied = tied_pair(model)

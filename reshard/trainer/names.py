@@ -34,7 +34,9 @@ def shard_targets(model: nn.Module, specs: dict[str, Spec]) -> dict[str, torch.T
     (DTensor parameters) the targets are views of this rank's local parts, and `specs` those of its file.
     """
     layout = shard_layout(model, list(specs))
-    own = {n: local(t) for n, t in {**dict(model.named_parameters()), **model.state_dict(keep_vars=True)}.items()}
+    parts: dict[int, torch.Tensor] = {}  # one local part per tensor: a tied pair stays one tensor
+    own = {n: parts.setdefault(id(t), local(t))
+           for n, t in {**dict(model.named_parameters()), **model.state_dict(keep_vars=True)}.items()}
     targets = {n: own[m] for n, m in layout.renamed.items() if m in own}
     shapes = {n: selection_shape(specs[n]["select"]) for n in layout.pieces}
     views = expert_views(own, layout.pieces, shapes)

@@ -21,6 +21,7 @@ EXPECTED = {
     "NoSpaceError": 507, "QuotaError": 507, "ReadOnlyError": 503, "OutputPermissionError": 503,
     "OutputPathError": 409, "OutputIOError": 503, "StateUnavailableError": 503, "StateFullError": 507,
     "PeerFailedError": 503, "StoreError": 502, "StoreUnavailableError": 503,
+    "TpMismatchError": 422, "MissingDependencyError": 503,
 }
 
 

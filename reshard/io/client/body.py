@@ -42,7 +42,7 @@ from reshard.io.client.wire import (
     without_credentials,
 )
 from reshard.io.pread import pread_full
-from reshard.io.retry import Backoff, Retries, Retryable
+from reshard.io.retry import Backoff, Retries, Retryable, announce
 from reshard.layout.mesh import Layout
 
 if TYPE_CHECKING:
@@ -132,7 +132,8 @@ class ShardBody:
         self._resp: http.client.HTTPResponse | None = None
         # failures in a row: a byte received resets the count (`_recv`), across `readinto` calls
         self._tries = Retries(Backoff(retries, backoff, RETRY_CAP), give_up=lambda e: ReshardError(
-            f"{self.name}: giving up after {self.retries} retries at byte {self.pos}: {e or type(e).__name__}"))
+            f"{self.name}: giving up after {self.retries} retries at byte {self.pos}: {e or type(e).__name__}"),
+            on_retry=announce(self.name, retries))
         try:
             self._call(self._open)
         except BaseException:

@@ -60,7 +60,7 @@ from reshard.io.client.wire import (
 )
 from reshard.io.client.wire import checkpoint_url as as_checkpoint_url
 from reshard.io.hashing import BackgroundHash
-from reshard.io.retry import Backoff, Retries, Retryable
+from reshard.io.retry import Backoff, Retries, Retryable, announce
 from reshard.layout.mesh import Layout
 
 _CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/(\d+)$")
@@ -307,7 +307,8 @@ class ShardClient:
     def _tries(self, give_up: Callable[[BaseException], BaseException]) -> Retries:
         """The failures of one request or transfer: waits doubling from `backoff`, at most `RETRY_CAP`
         seconds; `give_up(error)` raised after `retries` of them in a row."""
-        return Retries(Backoff(self.retries, self.backoff, RETRY_CAP), give_up=give_up)
+        return Retries(Backoff(self.retries, self.backoff, RETRY_CAP), give_up=give_up,
+                       on_retry=announce(self.url, self.retries))
 
     @staticmethod
     def _check(status: int, body: bytes, what: str) -> None:

@@ -25,6 +25,11 @@ MAX_JSON_BYTES = 512 << 20
 _CKPT_URL = re.compile(r"^https?://[^/]+(/.*)?/v1/checkpoints/[A-Za-z0-9][A-Za-z0-9._-]*(/optimizer)?$")
 
 
+def is_checkpoint_url(spec: object) -> bool:
+    """Whether `spec` is the service's checkpoint URL (http://HOST:PORT/v1/checkpoints/NAME), not a store's."""
+    return isinstance(spec, str) and bool(_CKPT_URL.match(spec.rstrip("/")))
+
+
 def checkpoint_url(url: str) -> str:
     """`url` without a trailing slash, if it is a checkpoint URL of the service; else a `ReshardError`."""
     url = url.rstrip("/")
@@ -88,4 +93,4 @@ def connect(url: str, *, timeout: float) -> tuple[http.client.HTTPConnection, st
 
 
 __all__ = ["MAX_JSON_BYTES", "RETRY_CAP", "SHA_HEADER", "TOKEN_ENV", "as_world", "auth_headers", "checkpoint_url", "connect",
-           "layout_params", "redact", "without_credentials"]
+           "is_checkpoint_url", "layout_params", "redact", "without_credentials"]

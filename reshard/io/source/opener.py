@@ -19,6 +19,7 @@ from reshard.errors import CheckpointError, ManifestError
 from reshard.format.checkpoint import INDEX_NAME, SINGLE_NAME, Checkpoint
 from reshard.io.source.rank_dir import ShardSet, has_rank_files, is_shard_dir
 from reshard.io.source.remote_dir import RemoteDirectory
+from reshard.io.source.schemes import check_scheme
 from reshard.io.source.stores import RemotePath, is_url
 from reshard.rules.engines import apply_engine
 from reshard.rules.from_config import RULES_FILES, from_config, resolve_manifest
@@ -37,6 +38,7 @@ def open_source(
 
 
 def _open_source(path: str | os.PathLike[str], rules: str | Path | None) -> tuple[Checkpoint | ShardSet, Manifest]:
+    check_scheme(path)
     if is_url(path):
         return _open_remote(str(path), rules)
     p = Path(path)
@@ -94,11 +96,13 @@ def _remote_manifest(d, name: str) -> Manifest:
 
 def open_checkpoint(url: str | os.PathLike[str]) -> Checkpoint:
     """A plain checkpoint (not rank shards) at a local path or URL."""
+    check_scheme(url)
     return Checkpoint.from_directory(_remote_dir(str(url))) if is_url(url) else Checkpoint.open(url)
 
 
 def open_shards(url: str | os.PathLike[str]) -> ShardSet:
     """The rank shards at a local path or URL (a store that can list)."""
+    check_scheme(url)
     return ShardSet.open(_remote_dir(str(url)) if is_url(url) else Path(url))
 
 
