@@ -31,6 +31,11 @@ class PlanError(ReshardError):
     """A tensor cannot be split as asked (divisibility, heads, padding), or rank/tp out of range."""
 
 
+class BoxError(ReshardError):
+    """A request for boxes of tensors (`reshard.format.box_request`) that cannot be answered: an unknown
+    tensor, a box past its end, more boxes or bytes than allowed."""
+
+
 class SourceChangedError(ReshardError):
     """A source file changed while its bytes were being read."""
 

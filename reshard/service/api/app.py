@@ -20,7 +20,7 @@ import reshard
 from reshard.io.source import store_cache
 from reshard.io.source.stores import FETCH_HOOKS
 from reshard.service.api.middleware import DOC_PATHS, PUBLIC_PATHS, BearerAuth, BodyLimit, RequestMetrics
-from reshard.service.api.routers import checkpoints, health, jobs, meta, metrics, shards
+from reshard.service.api.routers import boxes, checkpoints, health, jobs, meta, metrics, shards
 from reshard.service.api.uploads import remove_dead_uploads
 from reshard.service.catalog import Catalog
 from reshard.service.http_errors import install_error_handlers
@@ -45,6 +45,7 @@ Checkpoints are the directories under the server's root. Every endpoint except `
 TAGS = [
     {"name": "checkpoints", "description": "What is served, its manifest, uploads."},
     {"name": "shards", "description": "Rank shards as safetensors bytes; their digests."},
+    {"name": "boxes", "description": "Blocks of tensors a client names, as safetensors bytes; their digests."},
     {"name": "jobs", "description": "Write rank files into the output directory in the background."},
     {"name": "metrics", "description": "Prometheus metrics."},
     {"name": "health", "description": "Liveness."},
@@ -55,6 +56,12 @@ def _is_upload(path: str) -> bool:
     """`PUT /v1/checkpoints/{name}/files/{filename}` streams to disk under `max_upload_bytes`."""
     parts = path.split("/")
     return len(parts) == 6 and parts[1:3] == ["v1", "checkpoints"] and parts[4] == "files"
+
+
+def _is_boxes(path: str) -> bool:
+    """`POST /v1/checkpoints/{name}[/optimizer]/boxes[/digest]`: a list of boxes, under `max_boxes_body_bytes`."""
+    parts = path.split("/")
+    return 5 <= len(parts) <= 7 and parts[1:3] == ["v1", "checkpoints"] and "boxes" in parts[4:6]
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -104,10 +111,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     # the token is checked by middleware (one place, every route); this declares it in the OpenAPI doc
     secured = [] if settings.token is None else [Depends(HTTPBearer(auto_error=False, description="--token"))]
     app.include_router(health.router)
-    for module in (checkpoints, meta, shards, jobs, metrics):
+    for module in (checkpoints, meta, shards, boxes, jobs, metrics):
         app.include_router(module.router, dependencies=secured)
 
-    app.add_middleware(BodyLimit, limit=settings.max_body_bytes, exempt=_is_upload)
+    app.add_middleware(BodyLimit, limit=settings.max_body_bytes, exempt=lambda p: _is_upload(p) or _is_boxes(p))
+    app.add_middleware(BodyLimit, limit=settings.max_boxes_body_bytes, exempt=lambda p: not _is_boxes(p))
     if settings.token is not None:
         public = PUBLIC_PATHS | DOC_PATHS if settings.public_docs else PUBLIC_PATHS
         app.add_middleware(BearerAuth, token=settings.token.get_secret_value(), public=public)
