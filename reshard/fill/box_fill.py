@@ -23,20 +23,33 @@ import torch
 from reshard.errors import IntegrityError, ReshardError
 from reshard.fill.into_params import PIECE, byte_view, read_raw_header
 from reshard.format.box_request import Box, box_keys, decode_box_metadata
-from reshard.format.checkpoint import parse_header
+from reshard.format.checkpoint import Source, parse_header
 from reshard.format.torch_side import TORCH_DTYPES
 from reshard.io.client.body import RankBytes
 from reshard.io.client.box_client import open_boxes
 from reshard.io.hashing import BackgroundHash
 
-__all__ = ["read_boxes"]
+__all__ = ["read_boxes", "read_boxes_into"]
 
 
-def read_boxes(source: str | os.PathLike[str], boxes: Sequence[Box], *, out: Sequence[torch.Tensor | None] | None = None,
-               token: str | None = None, timeout: float = 60.0) -> list[torch.Tensor]:
+def read_boxes(source: str | os.PathLike[str] | Source, boxes: Sequence[Box], *,
+               out: Sequence[torch.Tensor | None] | None = None, token: str | None = None,
+               timeout: float = 60.0) -> list[torch.Tensor]:
     """Each of `boxes` of `source`'s tensors (the module docstring): `out[i]` filled and returned where given
     (its shape must be the box's sizes; its dtype and device are its own), else a new CPU tensor of the
-    checkpoint's dtype. `source`: the service's checkpoint URL, or anything `reshard` reads."""
+    checkpoint's dtype. `source`: the service's checkpoint URL, anything `reshard` reads, or a source
+    opened already (`reshard.io.source.opener.open_tensors`)."""
+    return _answer(source, boxes, out, token=token, timeout=timeout)[0]
+
+
+def read_boxes_into(source: str | os.PathLike[str] | Source, boxes: Sequence[Box], out: Sequence[torch.Tensor], *,
+                    token: str | None = None, timeout: float = 60.0) -> int:
+    """`read_boxes` into `out` (one tensor per box); the bytes of the answer (its header included)."""
+    return _answer(source, boxes, out, token=token, timeout=timeout)[1]
+
+
+def _answer(source: str | os.PathLike[str] | Source, boxes: Sequence[Box], out: Sequence[torch.Tensor | None] | None,
+            *, token: str | None, timeout: float) -> tuple[list[torch.Tensor], int]:
     if out is not None and len(out) != len(boxes):
         raise ValueError(f"out has {len(out)} tensors for {len(boxes)} boxes")
     for i, t in enumerate(out or ()):
@@ -45,14 +58,17 @@ def read_boxes(source: str | os.PathLike[str], boxes: Sequence[Box], *, out: Seq
                                f"{list(boxes[i].sizes)}")
     unique = list(dict.fromkeys(boxes))
     if not unique:
-        return []
+        return [], 0
+    targets: dict[Box, list[torch.Tensor]] = {b: [] for b in unique}
+    for t, b in zip(out or (), boxes):
+        if t is not None:
+            targets[b].append(t)
     body = open_boxes(source, unique, token=token, timeout=timeout)
     try:
-        got = _read(body, unique, {b: [t for t, bb in zip(out or (), boxes) if bb == b and t is not None]
-                                   for b in unique})
+        got = _read(body, unique, targets)
     finally:
         body.close()
-    return [out[i] if out is not None and out[i] is not None else got[b] for i, b in enumerate(boxes)]
+    return [out[i] if out is not None and out[i] is not None else got[b] for i, b in enumerate(boxes)], body.size
 
 
 def _read(body: RankBytes, unique: list[Box], targets: dict[Box, list[torch.Tensor]]) -> dict[Box, torch.Tensor]:

@@ -130,8 +130,8 @@ def match_targets(model: nn.Module, header: RankHeader) -> tuple[dict[str, torch
         for n in sorted(n for n, m in layout.renamed.items() if m in state):
             p = state[layout.renamed[n]]
             targets[n] = _local(p)
-            problems += _check(n, targets[n], _held(p), described[n], shapes[n], lambda p=p: _describe_param(p))
-        views = expert_views(state, layout.pieces, shapes, local=_local, held=_held,
+            problems += _check(n, targets[n], held_indices(p), described[n], shapes[n], lambda p=p: _describe_param(p))
+        views = expert_views(state, layout.pieces, shapes, local=_local, held=held_indices,
                              global_shapes={n: described[n].get("shape", shapes[n]) for n in layout.pieces})
         for n, v in views.items():
             targets[n] = v.view
@@ -181,7 +181,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
-def _held(t: torch.Tensor) -> Held:
+def held_indices(t: torch.Tensor) -> Held:
     """The global indices a DTensor's local tensor holds along each dim, as DTensor itself chunks them
     (found by distributing small index tensors; no communication). None per dim for a plain tensor."""
     from torch.distributed.tensor import DTensor, distribute_tensor
@@ -240,7 +240,7 @@ def _describe_param(t: torch.Tensor) -> str:
 
     if not isinstance(t, DTensor):
         return f"a plain {_dtype_name(t.dtype)} tensor"
-    held = _held(t)
+    held = held_indices(t)
     dims = ", ".join(f"dim {d} {_spans(_runs(h))} of {n}" for d, (h, n) in enumerate(zip(held, t.shape))
                      if h is not None and len(h) != n)
     return (f"DTensor {tuple(t.placements)} of global {list(t.shape)} on a {t.device_mesh.size()}-rank mesh, "
@@ -266,4 +266,4 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-__all__ = ["FillReport", "fill_model", "match_targets"]
+__all__ = ["FillReport", "fill_model", "held_indices", "match_targets"]

@@ -23,7 +23,8 @@ from typing import Any
 
 from reshard.errors import IntegrityError, ReshardError
 from reshard.format.box_request import Box
-from reshard.io.client.body import ShardBody, chunks_of
+from reshard.format.checkpoint import Source
+from reshard.io.client.body import ShardBody, chunks_of, get_json
 from reshard.io.client.wire import RETRY_CAP, answer_error, auth_headers, checkpoint_url, connect
 from reshard.io.rank_stream import RankStream
 from reshard.io.retry import Backoff, Retries, Retryable
@@ -31,7 +32,7 @@ from reshard.io.source.opener import open_tensors
 from reshard.io.source.stores import is_url
 from reshard.plan.box_plan import plan_boxes
 
-__all__ = ["BoxBody", "PlannedBody", "is_service_url", "open_boxes"]
+__all__ = ["BoxBody", "PlannedBody", "is_service_url", "open_boxes", "tensor_listing"]
 
 
 def boxes_payload(boxes: Sequence[Box]) -> bytes:
@@ -99,12 +100,14 @@ def post_json(url: str, payload: bytes, *, token: str | None, retries: int = 5, 
 
 class PlannedBody:
     """The answer to `boxes` of a source planned here (no service between), read through a `RankStream`:
-    the same bytes the service would send, nothing hashed (they come from the source, checked unchanged)."""
+    the same bytes the service would send, nothing hashed (they come from the source, checked unchanged).
+    `source` is a path or URL, or a source opened already (`reshard.io.source.opener.open_tensors`)."""
 
-    def __init__(self, source: str | os.PathLike[str], boxes: Sequence[Box]) -> None:
-        src = open_tensors(source)
-        self.plan = plan_boxes(src, boxes, where=str(source))
-        self.name, self.size, self.pos, self.verify = f"{source} ({len(boxes)} boxes)", self.plan.size, 0, False
+    def __init__(self, source: str | os.PathLike[str] | Source, boxes: Sequence[Box]) -> None:
+        src = source if hasattr(source, "global_tensors") else open_tensors(source)  # type: ignore[arg-type]
+        self.plan = plan_boxes(src, boxes, where=str(getattr(source, "root", source)))
+        self.name = f"{getattr(source, 'root', source)} ({len(boxes)} boxes)"
+        self.size, self.pos, self.verify = self.plan.size, 0, False
         self._stream = RankStream(self.plan)
 
     def readinto(self, view: memoryview) -> None:
@@ -135,10 +138,23 @@ def is_service_url(source: str | os.PathLike[str]) -> bool:
     return True
 
 
-def open_boxes(source: str | os.PathLike[str], boxes: Sequence[Box], *, token: str | None = None,
+def open_boxes(source: str | os.PathLike[str] | Source, boxes: Sequence[Box], *, token: str | None = None,
                timeout: float = 60.0) -> BoxBody | PlannedBody:
     """The answer to `boxes` of `source`: the service's (`BoxBody`, one request) for its checkpoint URL,
-    else planned and read here (`PlannedBody`) from a local path, a store prefix or an HTTP directory."""
-    if is_service_url(source):
+    else planned and read here (`PlannedBody`) from a local path, a store prefix or an HTTP directory (or
+    a source opened already)."""
+    if not hasattr(source, "global_tensors") and is_service_url(source):  # type: ignore[arg-type]
         return BoxBody(str(source), boxes, token=token, timeout=timeout)
     return PlannedBody(source, boxes)
+
+
+def tensor_listing(source: str | os.PathLike[str], *, token: str | None = None
+                   ) -> tuple[dict[str, tuple[str, tuple[int, ...]]], dict[str, Any] | None, Source | None]:
+    """(name -> (dtype, global shape) of every tensor of `source`, its config.json or None, the source
+    opened here or None): from the service's description of its checkpoint URL (one GET), else from the
+    headers read here (the opened source is returned, to plan boxes of without reading them again)."""
+    if is_service_url(source):
+        info = get_json(checkpoint_url(str(source)), token=token)
+        return {t["name"]: (t["dtype"], tuple(t["shape"])) for t in info["tensors"]}, info.get("config"), None
+    src = open_tensors(source)
+    return {n: (gt.dtype, gt.shape) for n, gt in src.global_tensors().items()}, src.config, src
