@@ -23,6 +23,7 @@ from reshard.layout.mesh import Layout
 from reshard.plan.box_plan import plan_boxes, runs_bound
 from reshard.plan.planner import make_plan
 from reshard.testing.synth import llama_config, make_checkpoint
+from tests.support.box_refs import full_tensors, random_boxes, sliced
 
 pytestmark = pytest.mark.pure
 
@@ -34,30 +35,6 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
                            dtype=torch.bfloat16, num_files=3, seed=3)
 
 
-def _full(ckpt: Path) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    for f in sorted(ckpt.glob("*.safetensors")):
-        out.update(load_file(f))
-    return out
-
-
-def _slice(t: torch.Tensor, box: Box) -> torch.Tensor:
-    return t[tuple(slice(o, o + s) for o, s in zip(box.offsets, box.sizes))]
-
-
-def _random_boxes(full: dict[str, torch.Tensor], n: int, seed: int) -> list[Box]:
-    rng = random.Random(seed)
-    names = sorted(full)
-    boxes = []
-    for _ in range(n):
-        name = rng.choice(names)
-        shape = full[name].shape
-        offsets = [rng.randrange(0, d) for d in shape]
-        sizes = [rng.randrange(0, d - o + 1) for o, d in zip(offsets, shape)]
-        boxes.append(Box(name, tuple(offsets), tuple(sizes)))
-    return list(dict.fromkeys(boxes))
-
-
 def _answer(source: object, boxes: list[Box]) -> dict[str, torch.Tensor]:
     plan = plan_boxes(source, boxes)  # type: ignore[arg-type]
     with RankStream(plan) as stream:
@@ -65,13 +42,13 @@ def _answer(source: object, boxes: list[Box]) -> dict[str, torch.Tensor]:
 
 
 def test_random_boxes_of_a_checkpoint_equal_torch_slicing(ckpt: Path) -> None:
-    full = _full(ckpt)
-    boxes = _random_boxes(full, 200, seed=0) + [Box.whole(n, full[n].shape) for n in sorted(full)[:3]]
+    full = full_tensors(ckpt)
+    boxes = random_boxes(full, 200, seed=0) + [Box.whole(n, full[n].shape) for n in sorted(full)[:3]]
     got = _answer(Checkpoint.open(ckpt), boxes)
     assert set(got) == set(box_keys(boxes))
     for box, key in zip(boxes, box_keys(boxes)):
         assert got[key].dtype == torch.bfloat16
-        assert torch.equal(got[key], _slice(full[box.name], box)), key
+        assert torch.equal(got[key], sliced(full[box.name], box)), key
     assert any(0 in b.sizes for b in boxes)  # empty boxes are answered as empty tensors
 
 
@@ -82,11 +59,11 @@ def test_boxes_of_rank_files_equal_the_original_tensors(ckpt: Path, tmp_path: Pa
     source, manifest = open_source(ckpt)
     write_shards(source, make_plan(source, manifest, layout), tmp_path / "ranks", progress=False)
     shards = open_tensors(tmp_path / "ranks")
-    full = _full(ckpt)
-    boxes = _random_boxes(full, 120, seed=1)
+    full = full_tensors(ckpt)
+    boxes = random_boxes(full, 120, seed=1)
     got = _answer(shards, boxes)
     for box, key in zip(boxes, box_keys(boxes)):
-        assert torch.equal(got[key], _slice(full[box.name], box)), key
+        assert torch.equal(got[key], sliced(full[box.name], box)), key
     assert [t.shape for t in read_boxes(tmp_path / "ranks", boxes[:5])] == [torch.Size(b.sizes) for b in boxes[:5]]
 
 
@@ -165,4 +142,4 @@ def test_runs_bound_covers_what_is_planned(tmp_path: Path) -> None:
         box = Box("e", offsets, tuple(rng.randrange(1, n - o + 1) for o, n in zip(offsets, gt.shape)))
         plan = plan_boxes(source, [box])
         assert len(plan.tensors[0].segments) <= runs_bound(gt, box), box
-        assert torch.equal(_answer(source, [box])["e"], _slice(load_file(path / "model.safetensors")["e"], box))
+        assert torch.equal(_answer(source, [box])["e"], sliced(load_file(path / "model.safetensors")["e"], box))

@@ -9,7 +9,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import random
 import re
 import time
 from collections.abc import Iterator
@@ -31,6 +30,7 @@ from reshard.io.source.opener import open_source
 from reshard.layout.mesh import Layout
 from reshard.plan.box_plan import runs_bound
 from reshard.plan.planner import make_plan
+from tests.support.box_refs import full_tensors, random_boxes, sliced
 from tests.support.live import LiveServer, live_server, make_ckpt, metric
 
 pytestmark = pytest.mark.servers
@@ -56,27 +56,6 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LiveServe
         assert "Traceback" not in srv.log(), srv.log()
 
 
-def _full(path: Path) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    for f in sorted(path.glob("*.safetensors")):
-        out.update(load_file(f))
-    return out
-
-
-def _slice(t: torch.Tensor, box: Box) -> torch.Tensor:
-    return t[tuple(slice(o, o + s) for o, s in zip(box.offsets, box.sizes))]
-
-
-def _boxes(full: dict[str, torch.Tensor], n: int, seed: int) -> list[Box]:
-    rng = random.Random(seed)
-    out = []
-    for name in rng.sample(sorted(full), n):
-        shape = full[name].shape
-        offsets = [rng.randrange(0, d) for d in shape]
-        out.append(Box(name, tuple(offsets), tuple(rng.randrange(1, d - o + 1) for o, d in zip(offsets, shape))))
-    return out
-
-
 def _post(srv: LiveServer, name: str, body: Any, *, path: str = "boxes", **kw: Any) -> httpx.Response:
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
     headers = {**srv.headers(), "Content-Type": "application/json", **kw.pop("headers", {})}
@@ -86,21 +65,21 @@ def _post(srv: LiveServer, name: str, body: Any, *, path: str = "boxes", **kw: A
 @pytest.mark.parametrize("name", ["llama", "llama-ranks"])
 def test_boxes_over_http_equal_torch_slicing(served: tuple[LiveServer, Path], name: str) -> None:
     srv, root = served
-    full = _full(root / "llama")
-    boxes = _boxes(full, 12, seed=len(name)) + [Box("model.embed_tokens.weight", (0, 0), (250, 64)),
+    full = full_tensors(root / "llama")
+    boxes = random_boxes(full, 12, len(name), empty=False) + [Box("model.embed_tokens.weight", (0, 0), (250, 64)),
                                                  Box("model.embed_tokens.weight", (249, 3), (1, 61))]
     got = read_boxes(srv.ckpt_url(name), boxes, token=TOKEN)
     for box, t in zip(boxes, got):
-        assert t.dtype == torch.bfloat16 and torch.equal(t, _slice(full[box.name], box)), box
+        assert t.dtype == torch.bfloat16 and torch.equal(t, sliced(full[box.name], box)), box
     cast = [torch.empty(b.sizes, dtype=torch.float32) for b in boxes]
     read_boxes(srv.ckpt_url(name), boxes, out=cast, token=TOKEN)
-    assert all(torch.equal(c, _slice(full[b.name], b).float()) for b, c in zip(boxes, cast))
+    assert all(torch.equal(c, sliced(full[b.name], b).float()) for b, c in zip(boxes, cast))
 
 
 def test_the_answer_has_the_shards_guarantees(served: tuple[LiveServer, Path]) -> None:
     srv, root = served
-    full = _full(root / "llama")
-    boxes = _boxes(full, 6, seed=11)
+    full = full_tensors(root / "llama")
+    boxes = random_boxes(full, 6, 11, empty=False)
     request = {"boxes": [b.to_json() for b in boxes]}
     first = _post(srv, "llama", request)
     assert first.status_code == 200, first.text
@@ -108,7 +87,7 @@ def test_the_answer_has_the_shards_guarantees(served: tuple[LiveServer, Path]) -
     assert int(first.headers["content-length"]) == len(body)
     assert first.headers["accept-ranges"] == "bytes" and re.fullmatch(r'"[0-9a-f]{40}-b"', first.headers["etag"])
     got = load(body)
-    assert all(torch.equal(got[k], _slice(full[b.name], b)) for b, k in zip(boxes, box_keys(boxes)))
+    assert all(torch.equal(got[k], sliced(full[b.name], b)) for b, k in zip(boxes, box_keys(boxes)))
     again = _post(srv, "llama", request)  # the first whole body filled the digest cache
     assert again.content == body and again.headers["etag"] == first.headers["etag"]
     assert again.headers["x-reshard-sha256"] == hashlib.sha256(body).hexdigest()
@@ -131,7 +110,7 @@ def test_the_answer_has_the_shards_guarantees(served: tuple[LiveServer, Path]) -
 
 def test_a_broken_transfer_resumes(served: tuple[LiveServer, Path], cutting_proxy: Any) -> None:
     srv, root = served
-    full = _full(root / "llama")
+    full = full_tensors(root / "llama")
     boxes = [Box.whole(n, full[n].shape) for n in sorted(full)[:8]]
     port = int(srv.url.rsplit(":", 1)[1])
     with cutting_proxy(("127.0.0.1", port), cut_after=20_000, cuts=3) as proxy:
@@ -168,7 +147,7 @@ def _quiet(srv: LiveServer) -> tuple[float, float]:
 def test_bad_input_is_answered_4xx_and_nothing_is_streamed(served: tuple[LiveServer, Path]) -> None:
     srv, root = served
     name = "model.embed_tokens.weight"
-    shapes = {n: list(t.shape) for n, t in _full(root / "llama").items()}
+    shapes = {n: list(t.shape) for n, t in full_tensors(root / "llama").items()}
     before = _quiet(srv)
     cases: list[tuple[Any, int, str, str]] = [
         ({"boxes": [{"name": name, "offsets": [-1, 0], "sizes": [1, 1]}]}, 422, "ValidationError",
@@ -207,7 +186,7 @@ def test_bad_input_is_answered_4xx_and_nothing_is_streamed(served: tuple[LiveSer
 
 def test_the_work_bounds_name_their_setting(served: tuple[LiveServer, Path]) -> None:
     srv, root = served
-    full = _full(root / "llama")
+    full = full_tensors(root / "llama")
     whole = [Box.whole(n, full[n].shape) for n in sorted(full)]
     with pytest.raises(BoxError, match=r"228480 bytes in all, over the 200000 bytes one request may ask for"):
         read_boxes(srv.ckpt_url("llama"), whole, token=TOKEN)

@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from reshard.fill.box_fill import read_boxes
 from reshard.format.box_request import Box
 from reshard.io.client.box_client import PlannedBody
 from reshard.io.source.opener import open_tensors
 from reshard.plan.box_plan import plan_boxes
+from tests.support.box_refs import full_tensors, sliced
 
 pytestmark = pytest.mark.servers
 
@@ -29,9 +29,7 @@ def store(request: pytest.FixtureRequest, s3: object, web: object, s3_env: objec
 def test_boxes_from_a_store_equal_local_slicing_and_fetch_what_they_cover(store: tuple[object, str],
                                                                           local_root: Path) -> None:
     srv, url = store
-    full: dict[str, torch.Tensor] = {}
-    for f in sorted((local_root / "llama").glob("*.safetensors")):
-        full.update(load_file(f))
+    full = full_tensors(local_root / "llama")
     rng = random.Random(2)
     # row blocks (contiguous) and column blocks (strided) of the large tensors
     boxes = []
@@ -47,8 +45,7 @@ def test_boxes_from_a_store_equal_local_slicing_and_fetch_what_they_cover(store:
     got = read_boxes(url, boxes)
     fetched = srv.reset()  # type: ignore[attr-defined]
     for box, t in zip(boxes, got):
-        assert torch.equal(t, full[box.name][box.offsets[0]:box.offsets[0] + box.sizes[0],
-                                             box.offsets[1]:box.offsets[1] + box.sizes[1]]), box
+        assert torch.equal(t, sliced(full[box.name], box)), box
     plan = plan_boxes(source, boxes)
     covered = sum(s.nbytes for t in plan.tensors for s in t.segments if s.file)
     total = sum(f.size for f in source.files)
