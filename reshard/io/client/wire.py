@@ -76,4 +76,5 @@ def answer_error(status: int, body: bytes, what: str) -> ReshardError:
     return cls(f"{what}: HTTP {status} {name}: {detail}")
 
 
-__all__ = ["RETRY_CAP", "answer_error", "SHA_HEADER", "TOKEN_ENV", "as_world", "auth_headers", "checkpoint_url", "connect", "layout_params"]
+__all__ = ["RETRY_CAP", "SHA_HEADER", "TOKEN_ENV", "answer_error", "as_world", "auth_headers", "checkpoint_url", "connect",
+           "layout_params"]

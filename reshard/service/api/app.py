@@ -58,10 +58,13 @@ def _is_upload(path: str) -> bool:
     return len(parts) == 6 and parts[1:3] == ["v1", "checkpoints"] and parts[4] == "files"
 
 
+_BOXES_TAILS = [["boxes"], ["boxes", "digest"], ["optimizer", "boxes"], ["optimizer", "boxes", "digest"]]
+
+
 def _is_boxes(path: str) -> bool:
     """`POST /v1/checkpoints/{name}[/optimizer]/boxes[/digest]`: a list of boxes, under `max_boxes_body_bytes`."""
     parts = path.split("/")
-    return 5 <= len(parts) <= 7 and parts[1:3] == ["v1", "checkpoints"] and "boxes" in parts[4:6]
+    return parts[1:3] == ["v1", "checkpoints"] and parts[4:] in _BOXES_TAILS
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
