@@ -126,8 +126,8 @@ def _fused(param: str, pieces: Mapping[str, ExpertPiece], listing: Listing, shap
     fused = (experts, *per)
     if shape is not None and shape != fused:
         raise PlanError(f"{param}: the model's tensor has shape {list(shape)}, its {experts} x {len(shapes)} "
-                        f"per-expert tensors on disk make {list(fused)}; transformers' conversion of this "
-                        "architecture is not one reshard can read back")
+                        f"per-expert tensors on disk make {list(fused)}: a checkpoint of another config, or a "
+                        "conversion of transformers' that reshard cannot read back; nothing was filled")
     starts = tuple(sum(lengths[:k]) for k in range(len(lengths)))
     return Fused(dtypes.pop(), fused, tuple(map(tuple, names)), dim, starts, lengths)
 

@@ -23,10 +23,8 @@ device from config.json, or is the `model` given. No pickle is read, nothing is 
 
 from __future__ import annotations
 
-import itertools
 import os
 import uuid
-from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -44,7 +42,7 @@ from torch.futures import Future
 
 from reshard.errors import CheckpointError, PlanError
 from reshard.fill.box_fill import read_boxes_into
-from reshard.fill.model import held_indices
+from reshard.fill.held_boxes import Block, held_blocks, landing
 from reshard.fill.stored_names import Stored, boxes_of, model_for, stored_names
 from reshard.format.box_request import Box
 from reshard.format.checkpoint import Source
@@ -125,7 +123,7 @@ class ReshardReader(StorageReader):
             for offsets, sizes, at in _blocks(state.get(fqn), item):
                 for box, land, land_sizes in boxes_of(self.stored[fqn], offsets, sizes):
                     boxes.append(box)
-                    outs.append(_landing(dest, tuple(map(int.__add__, at, land)), land_sizes, len(box.sizes)))
+                    outs.append(landing(dest, tuple(map(int.__add__, at, land)), land_sizes, len(box.sizes)))
             filled.append((item, dest))
         self.bytes_read = read_boxes_into(self._opened if self._opened is not None else self.source, boxes, outs,
                                           token=self.token, timeout=self.timeout)
@@ -136,36 +134,17 @@ class ReshardReader(StorageReader):
         return done
 
 
-Block = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]  # global offsets, sizes, where in the item's block
-
-
 def _blocks(dest: Any, item: ReadItem) -> list[Block]:
     """The global blocks an item's destination holds: the item's own box, except for a DTensor with strided
     shards, whose local tensor DCP describes as one contiguous chunk of the global tensor when it is
-    several (transformers' packed gate|up: rows of gate, then the same rows of up); there the indices the
-    local tensor holds along each dim (`reshard.fill.model.held_indices`) are split into runs."""
+    several (transformers' packed gate|up: rows of gate, then the same rows of up); there what the local
+    tensor holds is read (`reshard.fill.held_boxes`)."""
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    if not isinstance(dest, DTensor) or not any(isinstance(p, _StridedShard) for p in dest.placements):
-        return [(tuple(item.storage_offsets), tuple(item.lengths), (0,) * len(item.lengths))]
-    held = held_indices(dest)
-    per_dim = [_runs(h[a : a + n]) for h, a, n in zip(held, item.dest_offsets, item.lengths)]
-    out = []
-    for combo in itertools.product(*per_dim):
-        out.append((tuple(g for _, g, _ in combo), tuple(n for _, _, n in combo), tuple(at for at, _, _ in combo)))
-    return out
-
-
-def _runs(indices: Sequence[int]) -> list[tuple[int, int, int]]:
-    """(position, first index, length) of each run of consecutive indices."""
-    out: list[tuple[int, int, int]] = []
-    for pos, g in enumerate(indices):
-        if out and out[-1][1] + out[-1][2] == g:
-            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
-        else:
-            out.append((pos, g, 1))
-    return out
+    if isinstance(dest, DTensor) and any(isinstance(p, _StridedShard) for p in dest.placements):
+        return held_blocks(dest, item.dest_offsets, item.lengths)
+    return [(tuple(item.storage_offsets), tuple(item.lengths), (0,) * len(item.lengths))]
 
 
 def _tensor_metadata(dtype: str, shape: tuple[int, ...]) -> TensorStorageMetadata:
@@ -173,12 +152,3 @@ def _tensor_metadata(dtype: str, shape: tuple[int, ...]) -> TensorStorageMetadat
     return TensorStorageMetadata(properties=TensorProperties(dtype=TORCH_DTYPES[dtype]), size=torch.Size(shape),
                                  chunks=[ChunkStorageMetadata(offsets=torch.Size([0] * len(shape)),
                                                               sizes=torch.Size(shape))])
-
-
-def _landing(t: torch.Tensor, at: tuple[int, ...], sizes: tuple[int, ...], ndim: int) -> torch.Tensor:
-    """The view of `t` a box lands in: block (at, sizes) of it, its leading expert dim dropped where the box
-    is one expert's (a view: what is written to it is written to `t`)."""
-    for d, (a, n) in enumerate(zip(at, sizes)):
-        if a or n != t.shape[d]:
-            t = t.narrow(d, a, n)
-    return t.select(0, 0) if t.ndim == ndim + 1 else t
