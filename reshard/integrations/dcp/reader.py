@@ -87,7 +87,7 @@ class ReshardReader(StorageReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         listing, config, self._opened = tensor_listing(self.source, token=self.token)
-        model = self.model if self.model is not None or self.names == "disk" else model_for(config)
+        model = None if self.names == "disk" else self.model if self.model is not None else model_for(config)
         try:
             self.stored = stored_names(listing, model=model)
         except PlanError:
