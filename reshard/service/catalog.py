@@ -195,6 +195,12 @@ class Catalog:
             self._ckpts.put((name, key), entry)
         return entry, key
 
+    def opened(self, name: str) -> tuple[Checkpoint | ShardSet, StatKey]:
+        """Checkpoint `name` (or a directory of rank files) parsed, and its stat key, without a manifest:
+        what a request that names its own boxes reads (`reshard.plan.box_plan`)."""
+        entry, key = self._entry(name)
+        return entry.ckpt, key
+
     def _open_checkpoint(self, name: str, directory: Path, key: StatKey) -> Checkpoint | ShardSet:
         names = [f[0] for f in key]
         rank_dir = has_rank_files(names) and SINGLE_NAME not in names and INDEX_NAME not in names

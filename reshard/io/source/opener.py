@@ -25,7 +25,7 @@ from reshard.rules.engines import apply_engine
 from reshard.rules.from_config import RULES_FILES, from_config, resolve_manifest
 from reshard.rules.manifest import Manifest
 
-__all__ = ["checkpoint_manifest", "open_checkpoint", "open_shards", "open_source"]
+__all__ = ["checkpoint_manifest", "open_checkpoint", "open_shards", "open_source", "open_tensors"]
 
 
 def open_source(
@@ -37,16 +37,34 @@ def open_source(
     return source, apply_engine(manifest, engine, list(source.global_tensors()) if engine else ())
 
 
-def _open_source(path: str | os.PathLike[str], rules: str | Path | None) -> tuple[Checkpoint | ShardSet, Manifest]:
+def open_tensors(path: str | os.PathLike[str]) -> Checkpoint | ShardSet:
+    """The source at `path` (local or a URL) with every header validated and no manifest resolved: a
+    checkpoint, or a directory of rank shards (what a reader that names its own boxes needs)."""
+    return _tensors(path)[0]
+
+
+def _tensors(path: str | os.PathLike[str]) -> tuple[Checkpoint | ShardSet, RemoteDirectory | None]:
+    """(the source, the remote directory it is in, None for a local one)."""
     check_scheme(path)
     if is_url(path):
-        return _open_remote(str(path), rules)
+        d = _remote_dir(str(path))
+        names = d.names()
+        if has_rank_files(names) and SINGLE_NAME not in names and INDEX_NAME not in names:
+            return ShardSet.open(d), d
+        return Checkpoint.from_directory(d), d
     p = Path(path)
     if is_shard_dir(p) and not (p / SINGLE_NAME).exists() and not (p / INDEX_NAME).exists():
-        shards = ShardSet.open(p)
-        return shards, (Manifest.load(rules) if rules is not None else shards.manifest())
-    ckpt = Checkpoint.open(p)
-    return ckpt, resolve_manifest(ckpt.root, ckpt.config, list(ckpt.tensors), rules)
+        return ShardSet.open(p), None
+    return Checkpoint.open(p), None
+
+
+def _open_source(path: str | os.PathLike[str], rules: str | Path | None) -> tuple[Checkpoint | ShardSet, Manifest]:
+    source, d = _tensors(path)
+    if isinstance(source, ShardSet):
+        return source, (Manifest.load(rules) if rules is not None else source.manifest())
+    if d is not None:
+        return source, (Manifest.load(rules) if rules is not None else checkpoint_manifest(source, d))
+    return source, resolve_manifest(source.root, source.config, list(source.tensors), rules)
 
 
 def _remote_dir(url: str):  # -> RemoteDirectory
@@ -56,16 +74,6 @@ def _remote_dir(url: str):  # -> RemoteDirectory
             f"no {INDEX_NAME} or {SINGLE_NAME} there, and a plain HTTP server cannot list files"
         raise CheckpointError(f"{url}: no such checkpoint ({what})")
     return d
-
-
-def _open_remote(url: str, rules: str | Path | None) -> tuple[Checkpoint | ShardSet, Manifest]:
-    d = _remote_dir(url)
-    names = d.names()
-    if has_rank_files(names) and SINGLE_NAME not in names and INDEX_NAME not in names:
-        shards = ShardSet.open(d)
-        return shards, (Manifest.load(rules) if rules is not None else shards.manifest())
-    ckpt = Checkpoint.from_directory(d)
-    return ckpt, (Manifest.load(rules) if rules is not None else checkpoint_manifest(ckpt, d))
 
 
 def checkpoint_manifest(ckpt: Checkpoint, d=None) -> Manifest:  # noqa: ANN001 (d: RemoteDirectory)
