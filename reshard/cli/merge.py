@@ -1,5 +1,6 @@
-"""`reshard merge SHARDS -o OUT [--optimizer]`: rank shards back to a full HF checkpoint, and with
-`--optimizer` a training checkpoint's AdamW moments to `OUT/optimizer/SLOT/` (`reshard.io.sinks.hf_checkpoint`)."""
+"""`reshard merge SHARDS -o OUT [--optimizer]`: rank shards (or a torch DCP checkpoint) back to a full HF
+checkpoint, and with `--optimizer` a training checkpoint's AdamW moments to `OUT/optimizer/SLOT/`
+(`reshard.io.sinks.hf_checkpoint`)."""
 
 from __future__ import annotations
 
@@ -18,8 +19,12 @@ def cmd_merge(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(summary))
     else:
-        print(f"merged {summary['tensors']} tensors from {Layout.from_sizes(summary['layout']).describe()} shards into {args.out} "
+        what = f"{Layout.from_sizes(summary['layout']).describe()} shards" if "layout" in summary else \
+            f"the {summary['source']} checkpoint"
+        print(f"merged {summary['tensors']} tensors from {what} into {args.out} "
               f"({human(summary['bytes'])} in {len(summary['files'])} file(s))")
+        if summary.get("left_out"):
+            print(f"left out {len(summary['left_out'])} entries that are not the model's tensors, e.g. {summary['left_out'][0]!r}")
         for slot, got in summary.get("optimizer", {}).items():
             print(f"merged the optimizer's {slot} of {got['tensors']} parameters into {args.out}/{got['dir']} "
                   f"({human(got['bytes'])} in {len(got['files'])} file(s))")
@@ -27,8 +32,9 @@ def cmd_merge(args: argparse.Namespace) -> int:
 
 
 def add_commands(sub: Any) -> None:
-    p = sub.add_parser("merge", help="merge a directory of rank shards back into a full HF checkpoint")
-    p.add_argument("shards", help="directory (or s3:// / gs:// prefix) of rank-XXXXX-of-YYYYY.safetensors files")
+    p = sub.add_parser("merge", help="merge a directory of rank shards, or a torch DCP checkpoint, into a full HF checkpoint")
+    p.add_argument("shards", help="directory (or s3:// / gs:// prefix) of rank-XXXXX-of-YYYYY.safetensors files, or of "
+                   "a DCP checkpoint (.metadata + .distcp files, or shard-XXXXX-model-XXXXX-of-XXXXX.safetensors files)")
     p.add_argument("-o", "--out", required=True, help="output checkpoint directory")
     p.add_argument("--max-file-bytes", type=int, default=DEFAULT_MAX_FILE,
                    help="start a new model-XXXXX-of-YYYYY file past this many bytes (default 5e9)")

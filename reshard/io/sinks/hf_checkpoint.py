@@ -1,6 +1,7 @@
-"""`reshard merge`: rank shards back to a full HF checkpoint, from the shards' own metadata.
+"""`reshard merge`: rank shards, or a torch DCP checkpoint, back to a full HF checkpoint.
 
-Each output file is planned like a rank file (every tensor whole, from the pieces the ranks hold,
+The source describes itself: rank files by their metadata, a DCP checkpoint by its `.metadata` or its
+`DCP_SHARDING_INFO` (`reshard.io.source.dcp_dir`). Each output file is planned like a rank file (every tensor whole, from the pieces the ranks hold,
 padding dropped) and streamed in bounded chunks: no tensor is ever materialized.
 
 With `optimizer=True` a training checkpoint's AdamW state (`SRC/optimizer/`, `reshard.format.rank_file`)
@@ -29,7 +30,8 @@ from reshard.io.outfs import (
 )
 from reshard.io.progress import Progress
 from reshard.io.sinks.writer import write_files
-from reshard.io.source.opener import open_shards
+from reshard.io.source.dcp_dir import DcpCheckpoint
+from reshard.io.source.opener import open_pieces, open_shards
 from reshard.io.source.rank_dir import ShardSet
 from reshard.io.source.remote_dir import copy_beside
 from reshard.io.source.stores import is_url
@@ -40,7 +42,7 @@ DEFAULT_MAX_FILE = 5 * 10**9
 _RETRY = "run the same merge again"
 
 
-def merge_plans(shards: ShardSet, *, max_file_bytes: int = DEFAULT_MAX_FILE,
+def merge_plans(shards: ShardSet | DcpCheckpoint, *, max_file_bytes: int = DEFAULT_MAX_FILE,
                 rename: Mapping[str, str] | None = None) -> list[tuple[str, RankPlan]]:
     """The output files (HF names) and their plans: tensors in name order, a new file past `max_file_bytes`.
     With `rename` (shard tensor name -> output name) only the tensors it names, under their new names."""
@@ -65,9 +67,13 @@ def merge_plans(shards: ShardSet, *, max_file_bytes: int = DEFAULT_MAX_FILE,
 
 def merge(src: str | Path, out: str | Path, *, max_file_bytes: int = DEFAULT_MAX_FILE,
           progress: bool | None = None, optimizer: bool = False) -> dict[str, Any]:
-    """Merge the rank shards in `src` into an HF checkpoint in `out`; returns a summary. With `optimizer`,
-    `src` is a training checkpoint and its AdamW moments are merged too (the module docstring)."""
-    shards = open_shards(src)
+    """Merge the rank shards (or the DCP checkpoint) in `src` into an HF checkpoint in `out`; returns a
+    summary. With `optimizer`, `src` is a training checkpoint and its AdamW moments are merged too (the
+    module docstring)."""
+    shards = open_pieces(src)
+    if optimizer and isinstance(shards, DcpCheckpoint):
+        raise CheckpointError(f"{src}: --optimizer merges a reshard training checkpoint's AdamW rank files; this is a "
+                              "DCP checkpoint: drop --optimizer")
     moments = open_shards(_optimizer_src(src)) if optimizer else None  # refused before anything is written
     summary = _merge_into(shards, out, merge_plans(shards, max_file_bytes=max_file_bytes), progress)
     if moments is not None:
@@ -90,7 +96,7 @@ def _optimizer_src(src: str | Path) -> str | Path:
     return Path(src) / OPTIMIZER_DIR
 
 
-def _merge_into(shards: ShardSet, out: str | Path, plans: list[tuple[str, RankPlan]],
+def _merge_into(shards: ShardSet | DcpCheckpoint, out: str | Path, plans: list[tuple[str, RankPlan]],
                 progress: bool | None) -> dict[str, Any]:
     """Write `plans` (from `merge_plans`) into `out`, with the index when several and `config.json`."""
     out = prepare_dir(out)
@@ -107,5 +113,7 @@ def _merge_into(shards: ShardSet, out: str | Path, plans: list[tuple[str, RankPl
             write_json_atomic(out / INDEX_NAME, {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))})
         if shards.config is not None:  # read (and validated) from config.json when the shards were opened
             copy_beside(shards.root, CONFIG_NAME, out / CONFIG_NAME)
-    return {"files": [f for f, _ in plans], "tensors": sum(len(p.tensors) for _, p in plans), "bytes": total,
-            "tp": shards.tp, "layout": shards.layout.sizes()}
+    done = {"files": [f for f, _ in plans], "tensors": sum(len(p.tensors) for _, p in plans), "bytes": total}
+    if isinstance(shards, DcpCheckpoint):
+        return {**done, "source": shards.kind, "left_out": list(shards.left_out)}
+    return {**done, "tp": shards.tp, "layout": shards.layout.sizes()}

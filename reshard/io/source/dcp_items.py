@@ -57,7 +57,7 @@ def chunk_starts(d: Directory, files: dict[str, FileInfo], items: Iterable[DcpIt
             for it in its:
                 t = tensors[it.fqn]
                 where = f"{info.path} (item {it.fqn!r} at offsets {list(it.offsets)}, bytes {it.offset}+{it.length})"
-                rel = locate_tensor(lambda a, b, o=it.offset: win.read(o + a, o + b), it.length, where=where,
+                rel = locate_tensor(lambda a, b, o=it.offset, w=win: w.read(o + a, o + b), it.length, where=where,
                                     dtype=t.dtype, shape=next(c.sizes for c in t.chunks if c.offsets == it.offsets))
                 out[(it.fqn, it.offsets)] = it.offset + rel
     return out
