@@ -28,9 +28,9 @@ from reshard.testing.synth import llama_config, make_checkpoint
 STEP = 7
 
 
-def hf_ckpt(path: Path) -> Path:
-    config = llama_config(model_type="qwen3", hidden_size=65, head_dim=16, intermediate_size=128, vocab_size=256,
-                          num_attention_heads=4, num_key_value_heads=2)
+def hf_ckpt(path: Path, *, intermediate_size: int = 128, vocab_size: int = 256) -> Path:
+    config = llama_config(model_type="qwen3", hidden_size=65, head_dim=16, intermediate_size=intermediate_size,
+                          vocab_size=vocab_size, num_attention_heads=4, num_key_value_heads=2)
     return make_checkpoint(path, config, dtype=torch.float32, seed=5)
 
 
