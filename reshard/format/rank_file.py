@@ -39,12 +39,15 @@ from typing import Any
 from reshard.errors import CheckpointError
 from reshard.format.dcp_sharding import DCP_VERSION, DCP_VERSION_KEY, SHARDING_KEY, offsets_fragment, sharding_metadata
 
-__all__ = ["FORMAT", "HeaderEncoder", "RankMeta", "RankPlace", "dcp_fragment", "dcp_offsets", "decode_metadata",
+__all__ = ["FORMAT", "HEADER_REVISION", "HeaderEncoder", "RankMeta", "RankPlace", "dcp_fragment", "dcp_offsets", "decode_metadata",
            "describe_tensor", "encode_metadata",
            "OPTIMIZER_DIR", "OPTIMIZER_SLOTS", "header_prefix", "is_rank_file_name", "optimizer_tensor_name",
            "parse_optimizer_tensor_name", "parse_rank_file_name", "rank_file_name", "tensor_json"]
 
 FORMAT = "reshard.rank/1"
+# what a plan's identity records besides FORMAT: changes whenever the same plan makes other header bytes (so
+# ETags, recorded sha256 digests and caches of the old bytes no longer match); 2: DCP_SHARDING_INFO added
+HEADER_REVISION = 2
 _NAME = re.compile(r"rank-(\d{5})-of-(\d{5})\.safetensors")
 _COMPACT = (",", ":")
 

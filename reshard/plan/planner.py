@@ -24,7 +24,7 @@ from typing import Any
 
 from reshard.errors import PlanError
 from reshard.format.checkpoint import DTYPE_SIZES, GlobalTensor, Source, whole_infos
-from reshard.format.rank_file import FORMAT, HeaderEncoder, dcp_fragment, header_prefix, tensor_json
+from reshard.format.rank_file import FORMAT, HEADER_REVISION, HeaderEncoder, dcp_fragment, header_prefix, tensor_json
 from reshard.format.selection import full_selection, selection_shape
 from reshard.gcpause import paused_gc
 from reshard.layout.mesh import MAX_WORLD, Layout
@@ -258,7 +258,8 @@ def make_planner(ckpt: Source, manifest: Manifest, layout: Layout | int, *,
         placement = Placement(layout, roles)
         placement.check()
         planner = LayoutPlanner(tensors, files, rules, placement)
-    identity: dict[str, Any] = {"source": ckpt.identity(), "manifest": manifest.digest(), "tp": layout.tp, "format": FORMAT}
+    identity: dict[str, Any] = {"source": ckpt.identity(), "manifest": manifest.digest(), "tp": layout.tp, "format": FORMAT,
+                                "header": HEADER_REVISION}
     if roles is not None:
         identity.update(layout=layout.sizes(), roles=roles.digest())
     return planner, Plan(layout, (), manifest, identity, tuple(warnings))

@@ -1,8 +1,9 @@
 """`reshard merge`: rank shards, or a torch DCP checkpoint, back to a full HF checkpoint.
 
 The source describes itself: rank files by their metadata, a DCP checkpoint by its `.metadata` or its
-`DCP_SHARDING_INFO` (`reshard.io.source.dcp_dir`). Each output file is planned like a rank file (every tensor whole, from the pieces the ranks hold,
-padding dropped) and streamed in bounded chunks: no tensor is ever materialized.
+`DCP_SHARDING_INFO` (`reshard.io.source.dcp_dir`). Each output file is planned like a rank file (every
+tensor whole, from the pieces the ranks hold, padding dropped) and streamed in bounded chunks: no tensor
+is ever materialized.
 
 With `optimizer=True` a training checkpoint's AdamW state (`SRC/optimizer/`, `reshard.format.rank_file`)
 is merged too, one HF-shaped checkpoint per moment under the parameters' own names:

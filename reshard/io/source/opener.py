@@ -2,11 +2,11 @@
 
 A source is a checkpoint (directory or .safetensors file), a directory of rank shards (to reshard
 tp=P -> tp=Q) or a torch DCP checkpoint (`reshard.io.source.dcp_dir`: `dcp.save`'s `.metadata` and
-`.distcp` files, or HuggingFaceStorageWriter's shard files); all offer `global_tensors()`, `files`, `config`, `root` and `identity()`. A source is
-a local path or a URL (`s3://BUCKET/PREFIX`, `gs://...`, `http(s)://HOST/PATH/`, `hf://ORG/MODEL`):
-`reshard.io.source.remote_dir.RemoteDirectory` gives the same `Directory` view of a store prefix, and
-`reshard.io.source.readers` the same stream reads, so plan, stream, writer and service do not know
-where the bytes come from.
+`.distcp` files, or HuggingFaceStorageWriter's shard files); all offer `global_tensors()`, `files`,
+`config`, `root` and `identity()`. A source is a local path or a URL (`s3://BUCKET/PREFIX`, `gs://...`,
+`http(s)://HOST/PATH/`, `hf://ORG/MODEL`): `reshard.io.source.remote_dir.RemoteDirectory` gives the same
+`Directory` view of a store prefix, and `reshard.io.source.readers` the same stream reads, so plan, stream,
+writer and service do not know where the bytes come from.
 """
 
 from __future__ import annotations
