@@ -37,7 +37,13 @@ from json.encoder import encode_basestring_ascii as _json_str  # type: ignore[at
 from typing import Any
 
 from reshard.errors import CheckpointError
-from reshard.format.dcp_sharding import DCP_VERSION, DCP_VERSION_KEY, SHARDING_KEY, offsets_fragment, sharding_metadata
+from reshard.format.dcp_sharding import (
+    DCP_VERSION,
+    DCP_VERSION_KEY,
+    SHARDING_KEY,
+    offsets_fragment,
+    sharding_metadata,
+)
 
 __all__ = ["FORMAT", "HEADER_REVISION", "HeaderEncoder", "RankMeta", "RankPlace", "dcp_fragment", "dcp_offsets", "decode_metadata",
            "describe_tensor", "encode_metadata",

@@ -24,7 +24,14 @@ from typing import Any
 
 from reshard.errors import PlanError
 from reshard.format.checkpoint import DTYPE_SIZES, GlobalTensor, Source, whole_infos
-from reshard.format.rank_file import FORMAT, HEADER_REVISION, HeaderEncoder, dcp_fragment, header_prefix, tensor_json
+from reshard.format.rank_file import (
+    FORMAT,
+    HEADER_REVISION,
+    HeaderEncoder,
+    dcp_fragment,
+    header_prefix,
+    tensor_json,
+)
 from reshard.format.selection import full_selection, selection_shape
 from reshard.gcpause import paused_gc
 from reshard.layout.mesh import MAX_WORLD, Layout

@@ -34,9 +34,9 @@ from reshard.format.checkpoint import (
     GlobalTensor,
     LocalDirectory,
     Piece,
+    PiecedSource,
     TensorInfo,
     _read_config,
-    files_identity,
 )
 from reshard.format.dcp_metadata import METADATA_NAME, DcpMetadata, read_metadata
 from reshard.format.dcp_sharding import is_shard_file_name, sharding_info
@@ -59,7 +59,7 @@ def dcp_kind(d: Directory, names: list[str] | None) -> str | None:
     return None
 
 
-class DcpCheckpoint:
+class DcpCheckpoint(PiecedSource):
     """A DCP checkpoint's tensors (`tensors`, by name), its files and config.json; a `Source`."""
 
     def __init__(self, root: Any, kind: str, files: list[FileInfo], tensors: dict[str, GlobalTensor],
@@ -78,14 +78,6 @@ class DcpCheckpoint:
                                   "shard-XXXXX-model-XXXXX-of-XXXXX.safetensors files)")
         return _open_saved(d) if kind == "dcp" else _open_sharded(d, names or [])
 
-    def global_tensors(self) -> dict[str, GlobalTensor]:
-        return self.tensors
-
-    def identity(self) -> dict[str, Any]:
-        return files_identity(self.files)
-
-    def total_bytes(self) -> int:
-        return sum(t.nbytes for t in self.tensors.values())
 
 
 def _stats(d: Directory, names: list[str]) -> dict[str, FileInfo]:

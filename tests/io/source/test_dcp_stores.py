@@ -9,7 +9,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import boto3
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -17,13 +16,13 @@ from safetensors.torch import load_file
 from reshard.cli import main
 from reshard.errors import CheckpointError
 from reshard.io.source.opener import open_source
-from reshard.testing.local_servers import StoreServer, http_server, s3_server
+from reshard.testing.local_servers import StoreServer, http_server
 from tests.support.dcp_ckpts import dcp_save, hf_ckpt, hf_writer_save
 from tests.support.live import LiveServer, live_server
 
 pytestmark = pytest.mark.servers
 
-BUCKET = "dcp"
+BUCKET, PREFIX = "ckpts", "dcp-tests"  # the bucket of tests/io/conftest.py's `s3`
 
 
 @pytest.fixture(scope="module")
@@ -35,23 +34,15 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-@pytest.fixture(scope="module")
-def s3(root: Path) -> Iterator[StoreServer]:
-    with s3_server() as srv:
-        env = srv.env
-        client = boto3.client("s3", endpoint_url=srv.url, aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
-                              aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"], region_name=env["AWS_REGION"])
-        client.create_bucket(Bucket=BUCKET)
+@pytest.fixture
+def in_bucket(root: Path, s3: StoreServer, s3_env: dict[str, str], boto: Any) -> str:
+    """The three directories in the io tests' bucket (tests/io/conftest.py), under `dcp-tests/`; this process
+    pointed at it."""
+    if not boto.list_objects_v2(Bucket=BUCKET, Prefix=f"{PREFIX}/").get("Contents"):
         for name in ("hf", "dcp", "hfw"):
             for p in sorted((root / name).iterdir()):
-                client.upload_file(str(p), BUCKET, f"{name}/{p.name}")
-        yield srv
-
-
-@pytest.fixture(scope="module")
-def web(root: Path) -> Iterator[StoreServer]:
-    with http_server(root) as srv:
-        yield srv
+                boto.upload_file(str(p), BUCKET, f"{PREFIX}/{name}/{p.name}")
+    return f"s3://{BUCKET}/{PREFIX}"
 
 
 @pytest.fixture(scope="module")
@@ -81,21 +72,24 @@ def _served_for_rank_0(srv: StoreServer, url: str, out: Path) -> tuple[dict[str,
 
 
 @pytest.mark.parametrize("name", ["dcp", "hfw"])
-def test_from_s3(root: Path, s3: StoreServer, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, name: str) -> None:
-    for k, v in s3.env.items():
-        monkeypatch.setenv(k, v)
+def test_from_s3(root: Path, s3: StoreServer, in_bucket: str, tmp_path: Path, name: str) -> None:
     want = _write(root / "hf", tmp_path / "want")
-    got, served = _served_for_rank_0(s3, f"s3://{BUCKET}/{name}", tmp_path / "one")
+    got, served = _served_for_rank_0(s3, f"{in_bucket}/{name}", tmp_path / "one")
     assert got == {n: b for n, b in want.items() if n.startswith("rank-00000")}
-    _, from_hf = _served_for_rank_0(s3, f"s3://{BUCKET}/hf", tmp_path / "hf-one")
+    _, from_hf = _served_for_rank_0(s3, f"{in_bucket}/hf", tmp_path / "hf-one")
     # rank 0's part, read as from the HF checkpoint, and each item's head and tail (a few KB): not all of it
     assert served < min(1.1 * from_hf, 0.75 * _weights_bytes(root / name)), (served, from_hf)
-    assert _write(f"s3://{BUCKET}/{name}", tmp_path / "all") == want
+    assert _write(f"{in_bucket}/{name}", tmp_path / "all") == want
 
 
-def test_from_plain_http(root: Path, web: StoreServer, tmp_path: Path) -> None:
+def test_from_plain_http(root: Path, tmp_path: Path) -> None:
     """No listing needed for `dcp.save`'s directory: `.metadata` names its files. The shard files of
     HuggingFaceStorageWriter have no index, so a server that cannot list cannot offer them: one clear error."""
+    with http_server(root) as web:
+        _from_plain_http(root, web, tmp_path)
+
+
+def _from_plain_http(root: Path, web: StoreServer, tmp_path: Path) -> None:
     want = _write(root / "hf", tmp_path / "want")
     got, served = _served_for_rank_0(web, f"{web.url}/files/dcp/", tmp_path / "one")
     assert got == {n: b for n, b in want.items() if n.startswith("rank-00000")}
