@@ -2,10 +2,11 @@
 
 A chunk saved with torch's default serialization is a `torch.save` archive (`reshard.format.torch_item`):
 its raw bytes sit after a pickle and a few zip records, located through the archive's central
-directory at its end. So each item needs its first and last kilobyte or so. Items follow one another
-in a file, so one item's end and the next one's start are read together, and runs of small items
-(norms, biases) in one read: a file costs about one read per item, a few KB each, and a remote file
-(S3, GCS, HTTP) has those reads made by a few threads at once. A `.distcp` file written with
+directory at its end. Archives of tensors of one dtype and shape have the same first bytes up to the
+tensor's (the pickle, the records before it: no dates, no checksums), so one of them is located in
+full and the others are matched against its first bytes: each item costs its first kilobyte, read in
+one go with its neighbours' (runs of small items, norms and biases, in one read), and a remote file (S3,
+GCS, HTTP) has those reads made by a few threads at once. A `.distcp` file written with
 `serialization_format=SAFETENSORS` is an ordinary safetensors file placed by `DCP_SHARDING_INFO`; its
 chunks are found from its header instead.
 
@@ -24,7 +25,7 @@ from reshard.errors import CheckpointError
 from reshard.format.checkpoint import Directory, FileInfo, LocalDirectory
 from reshard.format.dcp_metadata import DcpItem, DcpTensor
 from reshard.format.dcp_sharding import sharding_info
-from reshard.format.torch_item import HEAD, TAIL, locate_tensor
+from reshard.format.torch_item import HEAD, locate_tensor
 from reshard.io.pread import pread_full
 
 __all__ = ["chunk_starts"]
@@ -47,6 +48,7 @@ def chunk_starts(d: Directory, files: dict[str, FileInfo], items: Iterable[DcpIt
                                   f"the file's end ({info.size} bytes); the checkpoint is incomplete")
         by_file.setdefault(item.file, []).append(item)
     out: dict[Key, int] = {}
+    templates: dict[tuple[str, tuple[int, ...], int], tuple[bytes, int]] = {}  # (dtype, shape, length) -> (head, start)
     with _Fetcher(d, files) as fetch:
         windows = fetch.many({name: _ranges(its) for name, its in by_file.items()})
         for name, its in by_file.items():
@@ -56,19 +58,23 @@ def chunk_starts(d: Directory, files: dict[str, FileInfo], items: Iterable[DcpIt
                 continue
             for it in its:
                 t = tensors[it.fqn]
+                shape = next(c.sizes for c in t.chunks if c.offsets == it.offsets)
+                known = templates.get((t.dtype, shape, it.length))
+                if known is not None and win.read(it.offset, it.offset + len(known[0])) == known[0]:
+                    out[(it.fqn, it.offsets)] = it.offset + known[1]
+                    continue
                 where = f"{info.path} (item {it.fqn!r} at offsets {list(it.offsets)}, bytes {it.offset}+{it.length})"
                 rel = locate_tensor(lambda a, b, o=it.offset, w=win: w.read(o + a, o + b), it.length, where=where,
-                                    dtype=t.dtype, shape=next(c.sizes for c in t.chunks if c.offsets == it.offsets))
+                                    dtype=t.dtype, shape=shape)
+                templates.setdefault((t.dtype, shape, it.length), (win.read(it.offset, it.offset + rel), rel))
                 out[(it.fqn, it.offsets)] = it.offset + rel
     return out
 
 
 def _ranges(items: list[DcpItem]) -> list[tuple[int, int]]:
-    """Each item's head and tail, runs closer than `MERGE_GAP` merged, byte 0 first (the file's kind)."""
-    spans = [(0, 4)]
-    for it in items:
-        end = it.offset + it.length
-        spans += [(it.offset, min(end, it.offset + HEAD)), (max(it.offset, end - TAIL), end)]
+    """Each item's head (its tail is read when it is located in full), runs closer than `MERGE_GAP`
+    merged, byte 0 first (the file's kind)."""
+    spans = [(0, 4)] + [(it.offset, it.offset + min(it.length, HEAD)) for it in items]
     spans.sort()
     merged = [list(spans[0])]
     for a, b in spans[1:]:
