@@ -19,8 +19,8 @@ from reshard.format.checkpoint import encode_header
 from reshard.format.rank_file import (
     FORMAT,
     HeaderEncoder,
-    dcp_fragment,
     RankPlace,
+    dcp_fragment,
     decode_metadata,
     describe_tensor,
     encode_metadata,

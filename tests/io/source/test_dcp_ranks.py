@@ -10,7 +10,11 @@ byte, and `reshard merge` gives back its tensors.
 
 from __future__ import annotations
 
+import json
 import shutil
+import subprocess
+import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -21,8 +25,20 @@ from reshard.cli import main
 from reshard.io.sinks.hf_checkpoint import merge
 from tests.support.dcp_ckpts import hf_ckpt, load_rank_files, save_fsdp_ranks
 from tests.support.dist import run_distributed
+from tests.support.peak_rss import PRELUDE
 
 pytestmark = pytest.mark.multiproc
+
+MiB = 1 << 20
+MERGE = PRELUDE + r"""
+import json, sys
+import torch  # noqa: F401  (its import is part of the baseline, not of the merge)
+from reshard.io.sinks.hf_checkpoint import merge
+
+before = reset_peak()
+summary = merge(sys.argv[1], sys.argv[2], progress=False)
+print(json.dumps({"before": before, "after": status("VmHWM"), "bytes": summary["bytes"]}))
+"""
 
 
 @pytest.fixture(scope="module")
@@ -77,3 +93,24 @@ def test_torch_reads_rank_files_into_dtensor_models(saved: dict[str, Path], tmp_
         assert rank["fsdp"]["differ"] == [] and rank["tp"]["differ"] == []
         assert rank["fsdp"]["loaded"] == names and rank["fsdp"]["sharded"] == names  # every parameter an FSDP2 DTensor
         assert "model.layers.0.self_attn.o_proj.weight" in rank["tp"]["sharded"]
+
+
+def test_merge_holds_no_tensor_in_memory(tmp_path: Path) -> None:
+    """Merging a 192 MiB DCP checkpoint (two 96 MiB tensors, one saved as two chunks) raises a fresh
+    process's peak RSS by a few stream chunks, not a tensor (`dcp_to_torch_save` holds the state dict)."""
+    import torch.distributed.checkpoint as dcp
+
+    rows = 96 * MiB // 4 // 8192
+    big = torch.arange(rows * 8192, dtype=torch.float32).reshape(rows, 8192)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process"
+        dcp.save({"a.weight": big, "b.weight": big.flip(0)}, checkpoint_id=str(tmp_path / "dcp"))
+    del big
+    proc = subprocess.run([sys.executable, "-c", MERGE, str(tmp_path / "dcp"), str(tmp_path / "merged")],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    m = json.loads(proc.stdout)
+    assert m["bytes"] == 192 * MiB
+    assert m["after"] - m["before"] < 40 * MiB, f"peak RSS rose by {(m['after'] - m['before']) / MiB:.1f} MiB"
+    merged = load_file(tmp_path / "merged" / "model.safetensors")
+    assert torch.equal(merged["b.weight"][0], torch.arange((rows - 1) * 8192, rows * 8192, dtype=torch.float32))

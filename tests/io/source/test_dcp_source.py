@@ -26,7 +26,7 @@ from reshard.io.sinks.hf_checkpoint import merge
 from reshard.io.source.dcp_dir import DcpCheckpoint
 from reshard.io.source.opener import open_source
 from reshard.plan.planner import make_plan
-from tests.support.dcp_ckpts import STEP, dcp_save, hf_ckpt, hf_writer_save
+from tests.support.dcp_ckpts import dcp_save, hf_ckpt, hf_writer_save
 
 pytestmark = pytest.mark.pure
 
