@@ -28,6 +28,16 @@ from reshard.testing.synth import llama_config, make_checkpoint
 STEP = 7
 
 
+class Payload:
+    """A pickle that creates a directory when loaded: what `pickle.load` of a crafted `.metadata` would do."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (os.makedirs, (str(self.path),))
+
+
 def hf_ckpt(path: Path, *, intermediate_size: int = 128, vocab_size: int = 256) -> Path:
     config = llama_config(model_type="qwen3", hidden_size=65, head_dim=16, intermediate_size=intermediate_size,
                           vocab_size=vocab_size, num_attention_heads=4, num_key_value_heads=2)

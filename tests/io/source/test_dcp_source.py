@@ -26,7 +26,7 @@ from reshard.io.sinks.hf_checkpoint import merge
 from reshard.io.source.dcp_dir import DcpCheckpoint
 from reshard.io.source.opener import open_source
 from reshard.plan.planner import make_plan
-from tests.support.dcp_ckpts import dcp_save, hf_ckpt, hf_writer_save
+from tests.support.dcp_ckpts import Payload, dcp_save, hf_ckpt, hf_writer_save
 
 pytestmark = pytest.mark.pure
 
@@ -122,21 +122,11 @@ def test_no_config_needs_rules(made: dict[str, Path], tmp_path: Path) -> None:
     assert manifest.source.startswith("rules file") and len(src.tensors) == 25
 
 
-class _Payload:
-    """A pickle that creates a file when loaded (what `pickle.load` of a crafted `.metadata` does)."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-    def __reduce__(self) -> tuple:
-        return (os.makedirs, (str(self.path),))
-
-
 def test_crafted_metadata_is_refused_and_runs_nothing(made: dict[str, Path], tmp_path: Path) -> None:
     d = _copy(made["dcp"], tmp_path / "crafted")
     proof = tmp_path / "pickle-ran-this"
-    (d / ".metadata").write_bytes(pickle.dumps(_Payload(tmp_path / "created-by-reshard")))
-    pickle.loads(pickle.dumps(_Payload(proof)))  # the payload is live: unpickled, it creates its directory
+    (d / ".metadata").write_bytes(pickle.dumps(Payload(tmp_path / "created-by-reshard")))
+    pickle.loads(pickle.dumps(Payload(proof)))  # the payload is live: unpickled, it creates its directory
     assert proof.is_dir()
     with pytest.raises(CheckpointError) as e:
         open_source(d)

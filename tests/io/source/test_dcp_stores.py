@@ -1,14 +1,17 @@
 """A DCP checkpoint read from S3 (a moto server), over plain HTTP (a static Range server) and served by
 `reshard serve`: the same rank files as from the HF checkpoint, each rank reading only part of the files;
 `fill_model` from the service's URL of a DCP directory fills a transformers model with the checkpoint's
-values."""
+values; a crafted `.metadata` under the served root is answered 422 and runs nothing."""
 
 from __future__ import annotations
 
+import pickle
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -17,7 +20,7 @@ from reshard.cli import main
 from reshard.errors import CheckpointError
 from reshard.io.source.opener import open_source
 from reshard.testing.local_servers import StoreServer, http_server
-from tests.support.dcp_ckpts import dcp_save, hf_ckpt, hf_writer_save
+from tests.support.dcp_ckpts import Payload, dcp_save, hf_ckpt, hf_writer_save
 from tests.support.live import LiveServer, live_server
 
 pytestmark = pytest.mark.servers
@@ -31,6 +34,8 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     ckpt = hf_ckpt(root / "hf", intermediate_size=1024, vocab_size=2048)  # 2.6 MB: tensors of 260-530 KB
     dcp_save(ckpt, root / "dcp", wrap=True)
     hf_writer_save(ckpt, root / "hfw")
+    shutil.copytree(root / "dcp", root / "crafted")  # a .metadata that creates a directory when unpickled
+    (root / "crafted" / ".metadata").write_bytes(pickle.dumps(Payload(root / "created-by-the-server")))
     return root
 
 
@@ -109,6 +114,10 @@ def test_served_and_filled(root: Path, service: LiveServer, tmp_path: Path) -> N
             assert main(["pull", service.ckpt_url(name), "--rank", str(rank), "--tp", "2", "-o", str(dest),
                          "--no-progress"]) == 0
         assert _rank_files(out) == want, name
+    crafted = httpx.get(service.ckpt_url("crafted") + "/shards/0", params={"tp": 2}, timeout=60)
+    assert crafted.status_code == 422 and crafted.json()["error"] == "CheckpointError"
+    assert "refused: this DCP .metadata asks for os.makedirs" in crafted.json()["detail"]
+    assert not (root / "created-by-the-server").exists()
     model = _fill(service.ckpt_url("dcp"), root / "hf")
     hf = load_file(root / "hf" / "model.safetensors")
     assert {n: torch.equal(t, hf[n]) for n, t in model.state_dict().items()} == dict.fromkeys(hf, True)
