@@ -13,6 +13,10 @@ from reshard.io.sinks.hf_checkpoint import DEFAULT_MAX_FILE, merge
 from reshard.layout.mesh import Layout
 
 
+_SOURCES = {"dcp": "the DCP checkpoint (.metadata and .distcp files)",
+            "dcp-safetensors": "the DCP checkpoint (HuggingFaceStorageWriter's shard files)"}
+
+
 def cmd_merge(args: argparse.Namespace) -> int:
     summary = merge(args.shards, args.out, max_file_bytes=args.max_file_bytes, progress=args.progress,
                     optimizer=args.optimizer)
@@ -20,7 +24,7 @@ def cmd_merge(args: argparse.Namespace) -> int:
         print(json.dumps(summary))
     else:
         what = f"{Layout.from_sizes(summary['layout']).describe()} shards" if "layout" in summary else \
-            f"the {summary['source']} checkpoint"
+            _SOURCES[summary["source"]]
         print(f"merged {summary['tensors']} tensors from {what} into {args.out} "
               f"({human(summary['bytes'])} in {len(summary['files'])} file(s))")
         if summary.get("left_out"):
