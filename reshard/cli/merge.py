@@ -12,7 +12,6 @@ from reshard.io.progress import add_progress_flags, human
 from reshard.io.sinks.hf_checkpoint import DEFAULT_MAX_FILE, merge
 from reshard.layout.mesh import Layout
 
-
 _SOURCES = {"dcp": "the DCP checkpoint (.metadata and .distcp files)",
             "dcp-safetensors": "the DCP checkpoint (HuggingFaceStorageWriter's shard files)"}
 
