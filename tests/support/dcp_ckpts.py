@@ -59,12 +59,14 @@ def _quiet() -> None:
 
 
 def dcp_save(ckpt: Path, out: Path, *, wrap: bool) -> Path:
-    """`dcp.save` from one process: the model's state dict, or `{"model": sd, "step": STEP}` when `wrap`."""
+    """`dcp.save` from one process: the model's state dict, or when `wrap` a training state around it
+    (`{"model": sd, "optimizer": {"state": {NAME: {"exp_avg": ...}}}, "step": STEP}`, for two parameters)."""
     import torch.distributed.checkpoint as dcp
 
     _quiet()
     sd = _model(ckpt).state_dict()
-    dcp.save({"model": sd, "step": STEP} if wrap else sd, checkpoint_id=str(out))
+    moments = {n: {"exp_avg": torch.full_like(sd[n], 0.5)} for n in ("lm_head.weight", "model.norm.weight")}
+    dcp.save({"model": sd, "optimizer": {"state": moments}, "step": STEP} if wrap else sd, checkpoint_id=str(out))
     shutil.copy(ckpt / "config.json", out / "config.json")
     return out
 

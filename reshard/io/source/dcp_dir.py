@@ -38,7 +38,7 @@ from reshard.format.checkpoint import (
     TensorInfo,
     _read_config,
 )
-from reshard.format.dcp_metadata import METADATA_NAME, DcpMetadata, read_metadata
+from reshard.format.dcp_metadata import METADATA_NAME, DcpItem, DcpMetadata, read_metadata
 from reshard.format.dcp_sharding import is_shard_file_name, sharding_info
 from reshard.format.headers import DTYPE_SIZES
 from reshard.io.source.dcp_items import chunk_starts
@@ -79,7 +79,6 @@ class DcpCheckpoint(PiecedSource):
         return _open_saved(d) if kind == "dcp" else _open_sharded(d, names or [])
 
 
-
 def _stats(d: Directory, names: list[str]) -> dict[str, FileInfo]:
     """FileInfo (size and mtime, or size and version in a store) of each file named."""
     if isinstance(d, RemoteDirectory):
@@ -100,11 +99,12 @@ def _stats(d: Directory, names: list[str]) -> dict[str, FileInfo]:
 
 def _open_saved(d: Directory) -> DcpCheckpoint:
     md = read_metadata(d.read_bytes(METADATA_NAME), where=str(d.path(METADATA_NAME)))
-    _refuse_transforms(d, md)
-    names = sorted({it.file for it in md.items.values()})
-    stats = _stats(d, [METADATA_NAME, *names])
-    starts = chunk_starts(d, stats, md.items.values(), md.tensors)
     rename, left_out = _names(md)
+    items = [it for it in md.items.values() if it.fqn in rename]  # the files of what is left out are not read
+    _refuse_transforms(d, items)
+    names = sorted({it.file for it in items})
+    stats = _stats(d, [METADATA_NAME, *names])
+    starts = chunk_starts(d, stats, items, md.tensors)
     tensors = {}
     for fqn, name in sorted(rename.items(), key=lambda kv: kv[1]):
         t = md.tensors[fqn]
@@ -115,8 +115,8 @@ def _open_saved(d: Directory) -> DcpCheckpoint:
                          (*left_out, *md.objects))
 
 
-def _refuse_transforms(d: Directory, md: DcpMetadata) -> None:
-    for it in md.items.values():
+def _refuse_transforms(d: Directory, items: list[DcpItem]) -> None:
+    for it in items:
         if it.transforms:
             raise CheckpointError(
                 f"{d.path(it.file)}: item {it.fqn!r} was written through {', '.join(it.transforms)} (a stream "
