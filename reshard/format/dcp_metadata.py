@@ -16,13 +16,11 @@ validated values (`DcpMetadata`), safetensors dtype names included.
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass
 from typing import Any
 
 from reshard.errors import CheckpointError
-from reshard.format.headers import DTYPE_SIZES
 from reshard.format.safe_pickle import Record, record_class, restricted_loads
 
 __all__ = ["METADATA_NAME", "MAX_METADATA_BYTES", "TORCH_DTYPES", "DcpChunk", "DcpItem", "DcpMetadata", "DcpTensor",
@@ -203,6 +201,3 @@ def _tensor(fqn: str, entry: Record) -> DcpTensor:
         chunks.append(DcpChunk(offsets, sizes))
     return DcpTensor(fqn, TORCH_DTYPES[dtype], shape, tuple(chunks))
 
-
-def chunk_nbytes(t: DcpTensor, c: DcpChunk) -> int:
-    return math.prod(c.sizes) * DTYPE_SIZES[t.dtype]
