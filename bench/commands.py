@@ -27,6 +27,7 @@ COMMANDS = {
     "stores": "compare_stores",
     "vllm": "compare_vllm",
     "checkpoint": "compare_checkpoint",
+    "dcp_merge": "compare_dcp_merge",
     "serve_options": "serve_options",
     "gather": "gather",
     "profile_write": "profile_write",

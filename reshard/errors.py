@@ -41,6 +41,11 @@ class TpMismatchError(PlanError):
         self.fact, self.fix, self.pad, self.where = fact, fix, pad, where
 
 
+class BoxError(ReshardError):
+    """A request for boxes of tensors (`reshard.format.box_request`) that cannot be answered: an unknown
+    tensor, a box past its end, more boxes or bytes than allowed."""
+
+
 class SourceChangedError(ReshardError):
     """A source file changed while its bytes were being read."""
 

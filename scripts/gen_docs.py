@@ -11,7 +11,7 @@ Sources: the service settings class (`reshard.service.serve_settings.Settings`) 
 `reshard serve`; the library's settings class (`reshard.settings.LibrarySettings`, with the service's:
 every `RESHARD_*` variable, docs/settings.md); the benchmark results in
 `bench/results/` (`quick.json`, `full.json` from `./run bench [--full]`, `stores.md`, `s3_write.md`,
-`checkpoint.md`, `trainer_support.json`); the plan tests' results `tests/rules/tp_plans/results/coverage.json` (rendered by
+`checkpoint.md`, `dcp_merge.md`, `trainer_support.json`); the plan tests' results `tests/rules/tp_plans/results/coverage.json` (rendered by
 `scripts/coverage_table.py`); the side-by-side run with transformers `tests/trainer/results/vs_transformers.json`
 (`scripts/vs_transformers.py`, rendered by `scripts/vs_transformers_table.py`). Only the text between the markers is touched.
 """
@@ -286,11 +286,21 @@ def gen_bench_direct() -> str:
     return _results_md("direct_reads.md")
 
 
+def _results_as_written(name: str) -> str:
+    """A results file as written, its blank lines kept between its tables, its title as the caption."""
+    head, *rest = (RESULTS / name).read_text(encoding="utf-8").rstrip("\n").split("\n")
+    return "\n".join([f"From `bench/results/{name}`, {head.removeprefix('# ').strip()}.", *rest])
+
+
 def gen_bench_checkpoint() -> str:
-    """Training checkpoints against torch DCP (bench/compare_checkpoint.py, bench/results/checkpoint.md): the
-    file as written, its blank lines kept between its tables."""
-    head, *rest = (RESULTS / "checkpoint.md").read_text(encoding="utf-8").rstrip("\n").split("\n")
-    return "\n".join([f"From `bench/results/checkpoint.md`, {head.removeprefix('# ').strip()}.", *rest])
+    """Training checkpoints against torch DCP (bench/compare_checkpoint.py, bench/results/checkpoint.md)."""
+    return _results_as_written("checkpoint.md")
+
+
+def gen_bench_dcp_merge() -> str:
+    """`reshard merge` of a DCP checkpoint against torch's and transformers' consolidation
+    (bench/compare_dcp_merge.py, bench/results/dcp_merge.md)."""
+    return _results_as_written("dcp_merge.md")
 
 
 def _fill_meta(data: dict[str, Any], name: str) -> str:
@@ -448,6 +458,7 @@ GENERATORS: dict[str, Callable[[], str]] = {
     "bench-store-serve": gen_bench_store_serve,
     "bench-direct": gen_bench_direct,
     "bench-checkpoint": gen_bench_checkpoint,
+    "bench-dcp-merge": gen_bench_dcp_merge,
     "bench-fill": gen_bench_fill,
     "bench-link": gen_bench_link,
     "bench-vllm": gen_bench_vllm,

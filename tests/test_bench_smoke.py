@@ -96,7 +96,7 @@ def test_interleaved_write_comparison_produces_results(tmp_path: Path) -> None:
 @pytest.mark.pure
 def test_every_comparison_file_is_a_command_named_after_it() -> None:
     files = sorted(p.stem for p in BENCH.glob("compare_*.py"))
-    assert len(files) == 12
+    assert len(files) == 13
     assert {n: m for n, m in commands.COMMANDS.items() if m.startswith("compare_")} == {
         f.removeprefix("compare_"): f for f in files}
     assert all((BENCH / f"{m}.py").is_file() for m in commands.COMMANDS.values())
@@ -154,3 +154,18 @@ def test_checkpoint_bench_places_each_tensor_as_its_rank_header_cuts_it() -> Non
     assert (placement(column, 2, 1), placement(row, 2, 0), placement(norm, 2, 1)) == (Shard(0), Shard(1), Replicate())
     with pytest.raises(SystemExit, match="not one even slice"):
         placement({"kind": "vocab_embed", "shape": [7, 4], "select": [[[4, 7]], [[0, 4]]]}, 2, 1)  # padded
+
+
+@pytest.mark.multiproc
+def test_dcp_merge_bench_checks_what_each_command_wrote(tmp_path: Path) -> None:
+    """bench/compare_dcp_merge on the tiny checkpoint: saved by 2 torchrun ranks both ways, every command's
+    output holds the checkpoint's tensors (checked after the warm-up), a targets table."""
+    from bench import compare_dcp_merge as m
+
+    res = m.run("tiny", 1, tmp_path / "work", root=tmp_path / "data")
+    assert [sorted(c["cases"]) for c in res["comparisons"]] == [sorted([m.RESHARD, m.TORCH]), sorted([m.RESHARD, m.TRANSFORMERS])]
+    assert res["checked"] and all(res["checked"].values()) and len(res["checked"]) == 4
+    assert sorted(p.name for p in (tmp_path / "data" / "llama-dcp-tiny-dcp").iterdir()) == [
+        ".metadata", "__0_0.distcp", "__1_0.distcp", "bench-ckpt.json", "config.json"]
+    assert "| dcp.save directory | reshard merge |" in m.markdown(res)
+    assert not (tmp_path / "work").exists()

@@ -1,7 +1,8 @@
-"""`reshard merge SHARDS -o OUT [--optimizer]`: rank shards back to a full HF checkpoint, and with
-`--optimizer` a training checkpoint's AdamW moments to `OUT/optimizer/SLOT/` (`reshard.io.sinks.hf_checkpoint`).
-The small files beside the shards (config.json, generation config, tokenizer files) are copied along.
-From the service's checkpoint URL, the service's checkpoint is pulled whole and merged (`reshard.cli.remote`)."""
+"""`reshard merge SHARDS -o OUT [--optimizer]`: rank shards (or a torch DCP checkpoint) back to a full HF
+checkpoint, and with `--optimizer` a training checkpoint's AdamW moments to `OUT/optimizer/SLOT/`
+(`reshard.io.sinks.hf_checkpoint`). The small files beside the shards (config.json, generation config,
+tokenizer files) are copied along. From the service's checkpoint URL, the service's checkpoint is pulled
+whole and merged (`reshard.cli.remote`)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,9 @@ from reshard.errors import PlanError
 from reshard.io.progress import add_progress_flags, human
 from reshard.io.sinks.hf_checkpoint import DEFAULT_MAX_FILE, merge
 from reshard.layout.mesh import Layout
+
+_SOURCES = {"dcp": "the DCP checkpoint (.metadata and .distcp files)",
+            "dcp-safetensors": "the DCP checkpoint (HuggingFaceStorageWriter's shard files)"}
 
 
 def cmd_merge(args: argparse.Namespace) -> int:
@@ -28,8 +32,12 @@ def cmd_merge(args: argparse.Namespace) -> int:
     if args.json:
         print_json({"out": str(args.out), **summary})
     else:
-        print(f"merged {summary['tensors']} tensors from {Layout.from_sizes(summary['layout']).describe()} shards into {args.out} "
+        what = f"{Layout.from_sizes(summary['layout']).describe()} shards" if "layout" in summary else \
+            _SOURCES[summary["source"]]
+        print(f"merged {summary['tensors']} tensors from {what} into {args.out} "
               f"({human(summary['bytes'])} in {len(summary['files'])} file(s)), with {', '.join(summary['kept']) or 'no other files'}")
+        if summary.get("left_out"):
+            print(f"left out {len(summary['left_out'])} entries that are not the model's tensors, e.g. {summary['left_out'][0]!r}")
         for slot, got in summary.get("optimizer", {}).items():
             print(f"merged the optimizer's {slot} of {got['tensors']} parameters into {args.out}/{got['dir']} "
                   f"({human(got['bytes'])} in {len(got['files'])} file(s))")
@@ -37,14 +45,15 @@ def cmd_merge(args: argparse.Namespace) -> int:
 
 
 def add_commands(sub: Any) -> None:
-    p = command(sub, "merge", help="merge a directory of rank shards back into a full HF checkpoint", examples_=(
+    p = command(sub, "merge", help="merge a directory of rank shards, or a torch DCP checkpoint, into a full HF checkpoint", examples_=(
         "reshard merge shards/ -o merged/",
         "reshard merge trained/ -o merged/ --optimizer        # a training checkpoint, AdamW's moments too",
         "reshard merge s3://bucket/llama-tp4/ -o merged/ --json",
         "reshard merge http://127.0.0.1:8000/v1/checkpoints/llama -o merged/   # the service's checkpoint, whole"))
     p.add_argument("shards", metavar="checkpoint",
-                   help="directory (or s3:// / gs:// prefix) of rank-XXXXX-of-YYYYY.safetensors files, or the "
-                   "service's checkpoint URL http://HOST:PORT/v1/checkpoints/NAME")
+                   help="directory (or s3:// / gs:// prefix) of rank-XXXXX-of-YYYYY.safetensors files, of a DCP "
+                   "checkpoint (.metadata + .distcp files, or shard-XXXXX-model-XXXXX-of-XXXXX.safetensors files), or "
+                   "the service's checkpoint URL http://HOST:PORT/v1/checkpoints/NAME")
     p.add_argument("-o", "--out", required=True, help="output checkpoint directory (made, with its parents, if missing)")
     p.add_argument("--max-file-bytes", type=int, default=DEFAULT_MAX_FILE,
                    help="start a new model-XXXXX-of-YYYYY file past this many bytes (default 5e9)")

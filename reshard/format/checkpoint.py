@@ -34,7 +34,8 @@ SINGLE_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
 MANIFEST_NAME = "reshard.json"  # beside rank files: what wrote them, and the sha256 of each
 __all__ = ["CONFIG_NAME", "DTYPE_SIZES", "INDEX_NAME", "MANIFEST_NAME", "MAX_HEADER_BYTES", "SINGLE_NAME", "Checkpoint", "Directory",
-           "FileInfo", "GlobalTensor", "LocalDirectory", "Piece", "Source", "TensorInfo", "WholeTensors", "whole_infos",
+           "FileInfo", "GlobalTensor", "LocalDirectory", "Piece", "PiecedSource", "Source", "TensorInfo", "WholeTensors",
+           "whole_infos",
            "encode_header", "files_identity", "header_bytes_wanted", "header_from", "parse_header", "read_header",
            "read_json"]
 
@@ -193,6 +194,23 @@ class Source(Protocol):
     def identity(self) -> dict[str, Any]: ...
 
     def total_bytes(self) -> int: ...
+
+
+class PiecedSource:
+    """A `Source` whose `tensors` are global tensors stored as pieces across its `files` (a directory of rank
+    files, a torch DCP checkpoint): what they share."""
+
+    tensors: dict[str, GlobalTensor]
+    files: list[FileInfo]
+
+    def global_tensors(self) -> dict[str, GlobalTensor]:
+        return self.tensors
+
+    def identity(self) -> dict[str, Any]:
+        return files_identity(self.files)
+
+    def total_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
 
 
 @dataclass

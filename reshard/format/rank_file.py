@@ -10,6 +10,12 @@ size, 5 digits each) whose `__metadata__` describes it (every value a string, as
     coords   (beyond TP only) this rank's coordinates, JSON: {"pp":1,"dp_replicate":0,...}
     tensors  per tensor, JSON with sorted keys: {"kind", "shape" (global), "select" (per dim, the
              [begin, end) intervals of the global tensor it holds), "options" (when the rule has any)}
+    DCP_SHARDING_INFO, DCP_VERSION
+             what torch's `HuggingFaceStorageReader` reads (`reshard.format.dcp_sharding`): the offsets in
+             its global tensor of every tensor that is one box of it (`dcp_offsets`), so `dcp.load(sd,
+             storage_reader=HuggingFaceStorageReader(DIR))` loads a directory of rank files into any
+             DTensor placements. A tensor that is not one box (a packed kind's blocks, padding past the
+             global size) has no entry, and torch's reader refuses the directory (docs/dcp.md).
 
 A training checkpoint keeps an optimizer's per-parameter tensors (AdamW's moments) in a second set of
 rank files of this format, in `OPTIMIZER_DIR` beside the parameters' files, each named by
@@ -31,12 +37,23 @@ from json.encoder import encode_basestring_ascii as _json_str  # type: ignore[at
 from typing import Any
 
 from reshard.errors import CheckpointError
+from reshard.format.dcp_sharding import (
+    DCP_VERSION,
+    DCP_VERSION_KEY,
+    SHARDING_KEY,
+    offsets_fragment,
+    sharding_metadata,
+)
 
-__all__ = ["FORMAT", "HeaderEncoder", "RankMeta", "RankPlace", "decode_metadata", "describe_tensor", "encode_metadata",
+__all__ = ["FORMAT", "HEADER_REVISION", "HeaderEncoder", "RankMeta", "RankPlace", "dcp_fragment", "dcp_offsets", "decode_metadata",
+           "describe_tensor", "encode_metadata",
            "OPTIMIZER_DIR", "OPTIMIZER_SLOTS", "header_prefix", "is_rank_file_name", "optimizer_tensor_name",
            "parse_optimizer_tensor_name", "parse_rank_file_name", "rank_file_name", "tensor_json"]
 
 FORMAT = "reshard.rank/1"
+# what a plan's identity records besides FORMAT: changes whenever the same plan makes other header bytes (so
+# ETags, recorded sha256 digests and caches of the old bytes no longer match); 2: DCP_SHARDING_INFO added
+HEADER_REVISION = 2
 _NAME = re.compile(r"rank-(\d{5})-of-(\d{5})\.safetensors")
 _COMPACT = (",", ":")
 
@@ -116,7 +133,24 @@ def encode_metadata(place: RankPlace, tensors: Mapping[str, Mapping[str, Any]]) 
     """A rank file's `__metadata__` (the module docstring)."""
     meta = _head(place)
     meta["tensors"] = json.dumps(tensors, separators=_COMPACT, sort_keys=True)
+    boxes = {n: o for n, d in tensors.items() if (o := dcp_offsets(d)) is not None}
+    meta.update(sharding_metadata(boxes))
     return meta
+
+
+def dcp_offsets(description: Mapping[str, Any]) -> list[int] | None:
+    """Where a tensor (its description) sits in its global tensor, when it is one box of it (one
+    interval per dim, inside the global shape): the interval starts; None otherwise."""
+    select, shape = description["select"], description["shape"]
+    if len(select) != len(shape) or any(len(dim) != 1 or dim[0][1] > n for dim, n in zip(select, shape)):
+        return None
+    return [dim[0][0] for dim in select]
+
+
+def dcp_fragment(description: Mapping[str, Any]) -> str:
+    """The tensor's value in `DCP_SHARDING_INFO` as compact JSON, "" when it has none (the planner's path)."""
+    offsets = dcp_offsets(description)
+    return "" if offsets is None else offsets_fragment(offsets)
 
 
 def _head(place: RankPlace) -> dict[str, str]:
@@ -174,26 +208,28 @@ def header_prefix(place: RankPlace) -> str:
 class HeaderEncoder:
     """The headers of rank files of one set of tensors, from per-tensor JSON fragments (planning
     100,000 tensors for every rank; `reshard.plan.planner`). For tensors named `names` (sorted) and put
-    in the file in `ordered` order, `header(prefix, described, entries(heads, begins, ends))` equals
+    in the file in `ordered` order, `header(prefix, described, entries(heads, begins, ends), placed)` equals
 
         encode_header(encode_metadata(place, descriptions),
                       [(n, dtype, shape, begin, end) for n in ordered])
 
     (`reshard.format.headers.encode_header`: `json.dumps` with `separators=(",", ":")`, padded with
     spaces to 8 bytes, after its 8-byte length) where `prefix = header_prefix(place)`,
-    `described[i] = escape(tensor_json(descriptions[names[i]]))` and `heads[i]` is `entry_head(dtype,
-    shape)` of `ordered[i]`. A test compares the two."""
+    `described[i] = escape(tensor_json(descriptions[names[i]]))`, `placed[i] =
+    escape(dcp_fragment(descriptions[names[i]]))` and `heads[i]` is `entry_head(dtype, shape)` of
+    `ordered[i]`. A test compares the two."""
 
     def __init__(self, names: list[str], ordered: list[str]) -> None:
         # '"name":' in file order, and in name order escaped as the content of a JSON string (the
         # metadata's "tensors" value), each with a comma before it but the first
         if len(_json_str("".join(names))) == 2 + sum(map(len, names)):  # no name needs escaping
             self._quoted = _first_bare([f',"{n}":' for n in ordered])
-            self._sorted_quoted = _first_bare([f',\\"{n}\\":' for n in names])
+            self._keys = [f'\\"{n}\\":' for n in names]
         else:
             quoted = {n: _json_str(n) + ":" for n in names}
             self._quoted = _first_bare(["," + quoted[n] for n in ordered])
-            self._sorted_quoted = _first_bare(["," + _json_str(q)[1:-1] for q in quoted.values()])
+            self._keys = [_json_str(q)[1:-1] for q in quoted.values()]
+        self._sorted_quoted = _first_bare(["," + k for k in self._keys])
 
     @staticmethod
     def escape(text: str) -> str:
@@ -212,11 +248,13 @@ class HeaderEncoder:
         n = len(ends)
         return "".join(_rows(self._quoted, heads, begins, [","] * n, ends, ["]}"] * n))
 
-    def header(self, prefix: str, described: list[str], entries: str) -> bytes:
-        """The header bytes (see the class docstring)."""
+    def header(self, prefix: str, described: list[str], entries: str, placed: list[str]) -> bytes:
+        """The header bytes (see the class docstring); `placed[i]` is `escape(dcp_fragment(descriptions[names[i]]))`."""
         parts = _rows(self._sorted_quoted, described)
         parts[:0] = [prefix, "{"]
-        parts += ['}"}', "," if entries else "", entries, "}"]
+        boxes = _first_bare([f",{key}{frag}" for key, frag in zip(self._keys, placed) if frag])
+        parts += [f'}}","{SHARDING_KEY}":"{{', *boxes, f'}}","{DCP_VERSION_KEY}":"{DCP_VERSION}"}}',
+                  "," if entries else "", entries, "}"]
         size = sum(map(len, parts))
         parts.append(" " * (-size % 8))
         # all ASCII (json escapes the rest), so latin-1 gives the same bytes as utf-8; with the length

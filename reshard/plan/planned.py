@@ -55,6 +55,7 @@ class GroupLayout:
     base_start: int
     describe: str  # JSON of OutTensor.describe(), sort_keys, compact
     entry: str  # '{"dtype":..,"shape":[..],"data_offsets":['
+    placed: str = ""  # its DCP_SHARDING_INFO value (`reshard.format.rank_file.dcp_fragment`), "" when none
 
 
 def _shift(ext: Extent, file: str, delta: int) -> Extent:

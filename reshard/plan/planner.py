@@ -24,7 +24,14 @@ from typing import Any
 
 from reshard.errors import PlanError, TpMismatchError
 from reshard.format.checkpoint import DTYPE_SIZES, GlobalTensor, Source, whole_infos
-from reshard.format.rank_file import FORMAT, HeaderEncoder, header_prefix, tensor_json
+from reshard.format.rank_file import (
+    FORMAT,
+    HEADER_REVISION,
+    HeaderEncoder,
+    dcp_fragment,
+    header_prefix,
+    tensor_json,
+)
 from reshard.format.selection import full_selection, selection_shape
 from reshard.gcpause import paused_gc
 from reshard.layout.mesh import MAX_WORLD, Layout
@@ -91,8 +98,10 @@ class RankPlanner:
         ends, entries = self._offsets(layouts)
         # per tensor in name order, its group's description escaped as part of the "tensors" JSON string
         described = [HeaderEncoder.escape(g.describe) for g in layouts]
+        placed = [HeaderEncoder.escape(g.placed) for g in layouts]
         header = self.encoder.header(header_prefix(self.placement.place(rank)),
-                                     list(map(described.__getitem__, self.sorted_gids)), entries)
+                                     list(map(described.__getitem__, self.sorted_gids)), entries,
+                                     list(map(placed.__getitem__, self.sorted_gids)))
         return RankPlan(rank, self.placement.layout.world, PlannedTensors(self.groups, layouts, ends), header, self.files)
 
     def _offsets(self, layouts: list[GroupLayout]) -> tuple[array[int], str]:
@@ -119,8 +128,9 @@ class RankPlanner:
         read = sum(bytes_read(s) for s in segments)
         info = gt.pieces[0].info
         replicated = self.placement.replicated(name, gt.shape, rule, rank, sel)
+        described = probe.describe()
         return GroupLayout(sel, shape, nbytes, read, replicated, segments, str(info.file), info.start,
-                           tensor_json(probe.describe()), HeaderEncoder.entry_head(gt.dtype, shape))
+                           tensor_json(described), HeaderEncoder.entry_head(gt.dtype, shape), dcp_fragment(described))
 
 
 def _group_keys(tensors: Mapping[str, GlobalTensor], rules: Mapping[str, Rule]) -> tuple[list[Any], Mapping[str, Any], Mapping[str, Any]]:
@@ -262,7 +272,8 @@ def make_planner(ckpt: Source, manifest: Manifest, layout: Layout | int, *,
         placement = Placement(layout, roles)
         placement.check()
         planner = LayoutPlanner(tensors, files, rules, placement, manifest_source=manifest.source)
-    identity: dict[str, Any] = {"source": ckpt.identity(), "manifest": manifest.digest(), "tp": layout.tp, "format": FORMAT}
+    identity: dict[str, Any] = {"source": ckpt.identity(), "manifest": manifest.digest(), "tp": layout.tp, "format": FORMAT,
+                                "header": HEADER_REVISION}
     if roles is not None:
         identity.update(layout=layout.sizes(), roles=roles.digest())
     return planner, Plan(layout, (), manifest, identity, tuple(warnings))

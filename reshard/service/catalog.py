@@ -7,7 +7,9 @@ file's name, size, mtime or inode changed. Manifests stored with `PUT .../rules`
 ROOT/.reshard/rules/NAME/LABEL.json, a directory no checkpoint name can reach. `NAME/optimizer` (`PARTS`)
 names the optimizer state of a training checkpoint (ROOT/NAME/optimizer, rank files of its own). A
 directory of rank files (and no model.safetensors or index) is served as the checkpoint its rank files
-describe (`reshard.io.source.rank_dir.ShardSet`, under the rules they recorded), at any layout.
+describe (`reshard.io.source.rank_dir.ShardSet`, under the rules they recorded), at any layout; a torch
+DCP checkpoint (`.metadata` + `.distcp` files, or HuggingFaceStorageWriter's shard files) as the tensors
+it saved (`reshard.io.source.dcp_dir.DcpCheckpoint`).
 """
 
 from __future__ import annotations
@@ -26,10 +28,12 @@ from typing import Any, Generic, TypeVar
 from cachetools import LRUCache
 
 from reshard.errors import ManifestError, NotFoundError, PlanError, RegistryError, ReshardError
-from reshard.format.checkpoint import CONFIG_NAME, INDEX_NAME, SINGLE_NAME, Checkpoint
+from reshard.format.checkpoint import CONFIG_NAME, INDEX_NAME, SINGLE_NAME, Checkpoint, LocalDirectory
+from reshard.format.dcp_metadata import METADATA_NAME
 from reshard.format.rank_file import OPTIMIZER_DIR
 from reshard.gcpause import paused_gc
 from reshard.io.outfs import write_json_atomic
+from reshard.io.source.dcp_dir import DcpCheckpoint, dcp_kind
 from reshard.io.source.opener import checkpoint_manifest
 from reshard.io.source.rank_dir import ShardSet, has_rank_files
 from reshard.layout.mesh import Layout
@@ -43,11 +47,18 @@ from reshard.service.serve_settings import Settings
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 DEFAULT_LABEL = "default"
 PARTS = (OPTIMIZER_DIR,)  # NAME/PART: a checkpoint inside a checkpoint (a training checkpoint's optimizer state)
-_WATCHED = (".safetensors", ".json", ".yaml", ".yml")
+_WATCHED = (".safetensors", ".distcp", ".json", ".yaml", ".yml")
+_WEIGHTS = (".safetensors", ".distcp")
 
 K = TypeVar("K")
 V = TypeVar("V")
 StatKey = tuple[tuple[str, int, int, int], ...]
+Served = Checkpoint | ShardSet | DcpCheckpoint
+
+
+def watched(name: str) -> bool:
+    """Whether file `name` can shape a checkpoint (weights, JSON and rules files, DCP's `.metadata`)."""
+    return name == METADATA_NAME or (not name.startswith(".") and name.endswith(_WATCHED))
 
 
 class LRU(Generic[K, V]):
@@ -102,14 +113,14 @@ class ServedCheckpoint:
     """A parsed checkpoint and the manifest a request asked for."""
 
     name: str
-    ckpt: Checkpoint | ShardSet
+    ckpt: Served
     manifest: Manifest
     key: StatKey
 
 
 @dataclass
 class _Entry:
-    ckpt: Checkpoint | ShardSet
+    ckpt: Served
     manifest: Manifest | None = None
     manifest_error: ReshardError | None = None
     resolved: bool = False
@@ -155,7 +166,7 @@ class Catalog:
         except OSError as e:
             raise NotFoundError(f"{directory.name}: cannot list: {e.strerror}") from None
         for entry in entries:
-            if entry.name.startswith(".") or not entry.name.endswith(_WATCHED):
+            if not watched(entry.name):
                 continue
             if entry.is_symlink() and not is_within(Path(os.path.realpath(entry.path)), self.root):
                 raise BadRequest(f"{directory.name}/{entry.name} is a symlink that leaves the served root; refused")
@@ -177,7 +188,7 @@ class Catalog:
                 key = self.scan(self.directory(entry.name))
             except ReshardError:
                 continue
-            weights = [f for f in key if f[0].endswith(".safetensors")]
+            weights = [f for f in key if f[0].endswith(_WEIGHTS)]
             if weights:
                 found.append({"name": entry.name, "files": len(weights), "bytes": sum(f[1] for f in weights)})
         return found
@@ -187,18 +198,25 @@ class Catalog:
     def _entry(self, name: str) -> tuple[_Entry, StatKey]:
         directory = self.directory(name)
         key = self.scan(directory)
-        if not any(f[0].endswith(".safetensors") for f in key):
-            raise NotFoundError(f"checkpoint {name!r} has no .safetensors files")
+        if not any(f[0].endswith(".safetensors") or f[0] == METADATA_NAME for f in key):
+            raise NotFoundError(f"checkpoint {name!r} has no .safetensors files (nor a DCP .metadata)")
         entry = self._ckpts.get((name, key))
         if entry is None:
             entry = _Entry(self._open_checkpoint(name, directory, key))
             self._ckpts.put((name, key), entry)
         return entry, key
 
-    def _open_checkpoint(self, name: str, directory: Path, key: StatKey) -> Checkpoint | ShardSet:
+    def opened(self, name: str) -> tuple[Checkpoint | ShardSet, StatKey]:
+        """Checkpoint `name` (or a directory of rank files) parsed, and its stat key, without a manifest:
+        what a request that names its own boxes reads (`reshard.plan.box_plan`)."""
+        entry, key = self._entry(name)
+        return entry.ckpt, key
+
+    def _open_checkpoint(self, name: str, directory: Path, key: StatKey) -> Served:
         names = [f[0] for f in key]
         rank_dir = has_rank_files(names) and SINGLE_NAME not in names and INDEX_NAME not in names
-        ckpt = ShardSet.open(directory) if rank_dir else Checkpoint.open(directory)
+        ckpt: Served = ShardSet.open(directory) if rank_dir else \
+            DcpCheckpoint.open(directory) if dcp_kind(LocalDirectory(directory), names) else Checkpoint.open(directory)
         for f in ckpt.files:
             if not is_within(Path(os.path.realpath(f.path)), self.root):
                 raise BadRequest(f"{name}/{f.path.name} resolves outside the served root; refused")

@@ -11,6 +11,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from reshard.io.source.stores import is_url
 
 MiB = 1 << 20
+BOXES_CAP = 1 << 18  # the most boxes a request body may hold (its schema's maxItems)
 STATE_DIR = ".jobs"  # under OUT, unless RESHARD_STATE names another directory
 
 
@@ -32,6 +33,15 @@ class Settings(BaseSettings):
                               "/docs/assets) and /openapi.json without the token")
     max_upload_bytes: int = Field(64 << 30, ge=1, description="largest accepted upload (413 above it)")
     max_body_bytes: int = Field(1 * MiB, ge=1, description="largest JSON request body (manifests, jobs)")
+    max_boxes: int = Field(1 << 16, ge=1, le=BOXES_CAP, description="most boxes one `POST .../boxes` asks for "
+                           "(400 above it; at most 262144, the most the request body's schema admits)")
+    max_box_bytes: int = Field(64 << 30, ge=1, description="most tensor bytes one `POST .../boxes` answers (400 "
+                               "above it)")
+    max_box_runs: int = Field(1 << 18, ge=1, description="most separate runs of source bytes one `POST .../boxes` "
+                              "may be made of (400 above it): a box of a few elements from every row of a tensor "
+                              "costs planning and reading per row")
+    max_boxes_body_bytes: int = Field(16 * MiB, ge=1, description="largest `POST .../boxes` request body (413 "
+                                      "above it): ~100 bytes a box")
     chunk_size: int = Field(8 * MiB, ge=64 << 10, le=256 * MiB, description="bytes per streamed chunk of what is "
                             "read and copied (row-split runs, headers); 8 MiB: a row-split rank goes ~8% faster "
                             "than with 4 MiB (fewer hand-offs between the reader thread and the event loop)")

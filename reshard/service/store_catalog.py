@@ -13,14 +13,16 @@ from typing import Any
 
 from reshard.errors import NotFoundError
 from reshard.format.checkpoint import CONFIG_NAME, INDEX_NAME, SINGLE_NAME, Checkpoint
+from reshard.format.dcp_metadata import METADATA_NAME
+from reshard.io.source.dcp_dir import DcpCheckpoint, dcp_kind
 from reshard.io.source.remote_dir import RemoteDirectory
 from reshard.io.source.stores import RemotePath, store_for
 from reshard.rules.from_config import RULES_FILES
-from reshard.service.catalog import _WATCHED, Catalog, StatKey, check_name, valid_name
+from reshard.service.catalog import _WEIGHTS, Catalog, Served, StatKey, check_name, valid_name, watched
 from reshard.service.http_errors import BadRequest
 from reshard.service.serve_settings import Settings
 
-_PROBED = (INDEX_NAME, SINGLE_NAME, CONFIG_NAME, *RULES_FILES)  # what a root that cannot list is asked for
+_PROBED = (INDEX_NAME, SINGLE_NAME, CONFIG_NAME, METADATA_NAME, *RULES_FILES)  # what a root that cannot list is asked for
 
 
 class StoreCatalog(Catalog):
@@ -38,7 +40,7 @@ class StoreCatalog(Catalog):
     def scan(self, directory: Any) -> StatKey:
         files = RemoteDirectory(directory.url).stat_files(_PROBED)
         key = tuple(sorted((n, size, version, 0) for n, (size, version) in files.items()
-                           if not n.startswith(".") and n.endswith(_WATCHED)))
+                           if watched(n)))
         if not key:
             raise NotFoundError(f"no checkpoint named {directory.name!r}; GET /v1/checkpoints lists them")
         return key  # type: ignore[return-value]
@@ -55,11 +57,14 @@ class StoreCatalog(Catalog):
                 key = self.scan(self.root / name)
             except NotFoundError:
                 continue
-            weights = [f for f in key if f[0].endswith(".safetensors")]
+            weights = [f for f in key if f[0].endswith(_WEIGHTS)]
             if weights:
                 found.append({"name": name, "files": len(weights), "bytes": sum(f[1] for f in weights)})
         return found
 
-    def _open_checkpoint(self, name: str, directory: Any, key: StatKey) -> Checkpoint:
+    def _open_checkpoint(self, name: str, directory: Any, key: StatKey) -> Served:
         # the listing's sizes and versions: headers are read through the node's store cache, if on
-        return Checkpoint.from_directory(RemoteDirectory(directory.url, known={f[0]: (f[1], f[2]) for f in key}))
+        d = RemoteDirectory(directory.url, known={f[0]: (f[1], f[2]) for f in key})
+        if dcp_kind(d, [f[0] for f in key] if d.can_list else None):
+            return DcpCheckpoint.open(d)
+        return Checkpoint.from_directory(d)

@@ -86,6 +86,7 @@ def build_model(
     install_gradient_sums(model)
     model.rank_header = header  # what `save_rank_shard` describes the saved file with
     model.hf_config = with_dtype(config, dtype_used)  # what a save writes beside its files: their dtype
+    model.source = str(source)  # where a save copies the small files from (generation config, tokenizer)
     return model
 
 

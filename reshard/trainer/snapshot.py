@@ -34,13 +34,22 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from reshard.format.checkpoint import CONFIG_NAME
+from reshard.format.meta_files import KEPT_NAMES
 from reshard.format.rank_file import (
     OPTIMIZER_DIR,
     OPTIMIZER_SLOTS,
     optimizer_tensor_name,
     rank_file_name,
 )
-from reshard.io.outfs import fsync_dir, output_errors, prepare_dir, write_json_atomic
+from reshard.io.outfs import (
+    atomic_file,
+    copy_atomic,
+    fsync_dir,
+    output_errors,
+    prepare_dir,
+    write_json_atomic,
+)
+from reshard.io.source.stores import is_url
 from reshard.trainer.groups import all_gather_json
 from reshard.trainer.names import local, shard_targets
 from reshard.trainer.save import RETRY, write_rank_file
@@ -129,19 +138,22 @@ def save_checkpoint(
                          rng=[g["rng"] for g in gathered],
                          model=model_fingerprint(getattr(model, "hf_config", None), header.tensors))
     if rank == 0:
-        _finish(tmp, final, state, getattr(model, "hf_config", None))
+        _finish(tmp, final, state, getattr(model, "hf_config", None), getattr(model, "source", None))
     _barrier(group)
     if rank != 0 and tmp.exists():  # not the directory rank 0 published: a disk of this rank's own
         with contextlib.suppress(FileExistsError, FileNotFoundError):
             os.mkdir(tmp / _CLAIM)  # one rank per such directory publishes it
-            _finish(tmp, final, state, getattr(model, "hf_config", None))
+            _finish(tmp, final, state, getattr(model, "hf_config", None), getattr(model, "source", None))
     _barrier(group)
     return final
 
 
-def _finish(tmp: Path, final: Path, state: dict[str, Any], config: dict[str, Any] | None) -> None:
-    """The JSON files (the trainer state last: what makes the directory a checkpoint), then publish."""
+def _finish(tmp: Path, final: Path, state: dict[str, Any], config: dict[str, Any] | None,
+            source: str | None = None) -> None:
+    """The small files, the JSON files (the trainer state last: what makes the directory a checkpoint),
+    then publish."""
     with output_errors(final, retry=RETRY):
+        copy_small_files(source, tmp)
         if config is not None:
             write_json_atomic(tmp / CONFIG_NAME, config)
             write_json_atomic(tmp / OPTIMIZER_DIR / CONFIG_NAME, config)
@@ -149,6 +161,33 @@ def _finish(tmp: Path, final: Path, state: dict[str, Any], config: dict[str, Any
         with contextlib.suppress(FileNotFoundError):
             os.rmdir(tmp / _CLAIM)
         _publish(tmp, final)
+
+
+def copy_small_files(source: str | None, dest: Path) -> list[str]:
+    """The small files of the run's source other than its config (generation config, tokenizer files:
+    `reshard.format.meta_files.KEPT_NAMES`) into `dest`, so the checkpoint, and `reshard merge` of it,
+    keeps them; from the service's URL they are fetched (each checked against its listed sha256)."""
+    names = [n for n in KEPT_NAMES if n != CONFIG_NAME]
+    copied = []
+    if source is None:
+        return copied
+    if is_url(source):
+        from reshard.io.client.shard_client import ShardClient  # httpx only for a URL
+
+        with ShardClient(source) as client:
+            for name in names:
+                data = client.meta_file(name)
+                if data is not None:
+                    with atomic_file(dest / name) as f:
+                        f.write(data)
+                    copied.append(name)
+        return copied
+    root = Path(source).parent if Path(source).is_file() else Path(source)
+    for name in names:
+        if (root / name).is_file():
+            copy_atomic(root / name, dest / name)
+            copied.append(name)
+    return copied
 
 
 def every_n_steps(root: str | Path | None, *, every: int, keep: int, step: int, model: nn.Module,

@@ -20,6 +20,7 @@ from reshard.format.rank_file import (
     FORMAT,
     HeaderEncoder,
     RankPlace,
+    dcp_fragment,
     decode_metadata,
     describe_tensor,
     encode_metadata,
@@ -102,7 +103,7 @@ def test_round_trip_through_reshard_write(tmp_path: Path, args: list[str]) -> No
         assert describe_layout(got, str(path)) == layout
         if layout.tp_only:
             assert (got.layout, got.coords) == (None, None)
-            assert sorted(on_disk) == ["format", "rank", "tensors", "tp"]
+            assert sorted(on_disk) == ["DCP_SHARDING_INFO", "DCP_VERSION", "format", "rank", "tensors", "tp"]
         else:
             assert got.layout == {"tp": 2, "pp": 2}  # ranks 0-1 are stage 0, 2-3 stage 1; without ep the
             # expert mesh re-reads (fsdp, tp) as (efsdp, ep=1)
@@ -130,10 +131,13 @@ def test_decode_refuses_what_is_not_a_rank_file() -> None:
                          ids=["tp", "layout"])
 def test_fast_header_is_json_dumps(place: RankPlace) -> None:
     """`HeaderEncoder` (the planner's path) gives the bytes of `encode_header(encode_metadata(...))`, the
-    plain `json.dumps` of the whole header, names that need escaping and several item sizes included."""
-    tensors = {"b.w": ("F32", (4, 6)), 'a"q\\u\u00e9': ("BF16", (3,)), "c": ("I8", (2, 2)), "d": ("F32", (0,))}
+    plain `json.dumps` of the whole header, names that need escaping, several item sizes and tensors with
+    and without a DCP_SHARDING_INFO entry (one box; padded past the global size; two blocks) included."""
+    tensors = {"b.w": ("F32", (4, 6)), 'a"q\\u\u00e9': ("BF16", (3,)), "c": ("I8", (2, 2)), "d": ("F32", (0,)),
+               "e": ("F32", (2, 3))}
     descriptions = {n: describe_tensor("column", (8, *shape[1:]), tuple(((1, 1 + s),) for s in shape),
                                        {"pad": 1} if n == "c" else None) for n, (_, shape) in tensors.items()}
+    descriptions["e"] = describe_tensor("packed_column", (8, 3), (((0, 1), (4, 5)), ((0, 3),)), {"blocks": [4, 4]})
     names = sorted(tensors)
     ordered = sorted(names, key=lambda n: ({"F32": -4, "BF16": -2, "I8": -1}[tensors[n][0]], n))
     entries, pos = [], 0
@@ -146,7 +150,12 @@ def test_fast_header_is_json_dumps(place: RankPlace) -> None:
     enc = HeaderEncoder(names, ordered)
     body = enc.entries([enc.entry_head(dtype, shape) for _, dtype, shape, _, _ in entries],
                        [str(b) for *_, b, _ in entries], [str(e) for *_, e in entries])
-    got = enc.header(header_prefix(place), [enc.escape(tensor_json(descriptions[n])) for n in names], body)
+    got = enc.header(header_prefix(place), [enc.escape(tensor_json(descriptions[n])) for n in names], body,
+                     [enc.escape(dcp_fragment(descriptions[n])) for n in names])
     assert got == want
-    assert json.loads(got[8:])["__metadata__"]["tensors"] == json.dumps(descriptions, separators=(",", ":"), sort_keys=True)
-    assert HeaderEncoder([], []).header(header_prefix(place), [], "") == encode_header(encode_metadata(place, {}), [])
+    meta = json.loads(got[8:])["__metadata__"]
+    assert meta["tensors"] == json.dumps(descriptions, separators=(",", ":"), sort_keys=True)
+    # torch's reader: every tensor that is one box of its global tensor, at the box's starts
+    assert json.loads(meta["DCP_SHARDING_INFO"]) == {'a"q\\u\u00e9': {"saved_offsets": [1]}, "d": {"saved_offsets": [1]}}
+    assert meta["DCP_VERSION"] == "1.0"
+    assert HeaderEncoder([], []).header(header_prefix(place), [], "", []) == encode_header(encode_metadata(place, {}), [])

@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import save_file
 
 from reshard.io.rank_stream import CHUNK
+from tests.support.peak_rss import PRELUDE
 
 pytestmark = pytest.mark.multiproc
 
@@ -23,26 +24,16 @@ REPO = Path(__file__).resolve().parents[2]
 MiB = 1 << 20
 LIMIT = 40 * MiB
 
-SCRIPT = r"""
+SCRIPT = PRELUDE + r"""
 import json, sys
 import torch  # noqa: F401  (its import is part of the baseline, not of the write)
 from reshard.io.source.opener import open_source
 from reshard.plan.planner import make_plan
 from reshard.io.sinks.writer import write_to_dir  # the stream's own memory: no mapped source pages
 
-def status(key):
-    for line in open("/proc/self/status"):
-        if line.startswith(key + ":"):
-            return int(line.split()[1]) * 1024
-
 ckpt, manifest = open_source(sys.argv[1], rules=sys.argv[2])
 plan = make_plan(ckpt, manifest, 2)
-try:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset the peak-RSS mark to the current RSS
-    before = status("VmRSS")
-except OSError:
-    before = status("VmHWM")
+before = reset_peak()
 write_to_dir(ckpt, plan, sys.argv[3], progress=False)
 print(json.dumps({"before": before, "after": status("VmHWM"), "bytes": sum(r.size for r in plan.ranks)}))
 """

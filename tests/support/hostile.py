@@ -9,7 +9,11 @@ from real rank files, and lies as a test tells it to.
         srv.meta_body["config.json"] = endless   # a callable yielding chunks forever, or bytes
         srv.trickle = 5.0              # shard bodies: one byte every 5 s
         srv.extra_length = 1000        # shard bodies: Content-Length claims 1000 bytes more, then the server waits
+        srv.send_sha = False           # no x-reshard-sha256 header: the client asks .../digest
         srv.requests                   # (method, path with query, headers) of every request, in order
+        srv.boxes_source = ckpt_dir    # POST .../boxes answered with what reshard plans from it (PlannedBody);
+        srv.boxes_edit = fn            #   fn(bytes) -> the bytes sent, under the digest of the true ones
+        srv.boxes_digest = "0" * 64    #   or a digest of zeros (None: the true one)
 
 Threads of `http.server` (HTTP/1.1, keep-alive); every wait ends when the server stops.
 """
@@ -49,6 +53,10 @@ class HostileServer:
         self.listing: list[Any] | None = None
         self.trickle = 0.0
         self.extra_length = 0
+        self.send_sha = True
+        self.boxes_source: Any = None
+        self.boxes_edit: Callable[[bytes], bytes] | None = None
+        self.boxes_digest: str | None = None
         self.requests: list[tuple[str, str, dict[str, str]]] = []
         self.stopping = threading.Event()
         self._http = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
@@ -112,6 +120,26 @@ def _handler(srv: HostileServer) -> type[BaseHTTPRequestHandler]:
                 return self._shard(key)
             return self._json(404, {"error": "NotFoundError", "detail": f"no {u.path}"})
 
+        def do_POST(self) -> None:  # noqa: N802
+            from reshard.format.box_request import Box
+            from reshard.io.client.box_client import PlannedBody
+
+            srv.requests.append(("POST", self.path, dict(self.headers.items())))
+            payload = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+            if urlsplit(self.path).path != f"/v1/checkpoints/{NAME}/boxes" or srv.boxes_source is None:
+                return self._json(404, {"error": "NotFoundError", "detail": f"no {self.path}"})
+            body = PlannedBody(srv.boxes_source, [Box(**b) for b in payload["boxes"]])
+            data = bytearray(body.size)
+            body.readinto(memoryview(data))
+            body.close()
+            sent = srv.boxes_edit(bytes(data)) if srv.boxes_edit else bytes(data)
+            self.send_response(200)
+            self.send_header("ETag", '"' + hashlib.sha256(sent).hexdigest()[:16] + '"')
+            self.send_header("x-reshard-sha256", srv.boxes_digest or hashlib.sha256(data).hexdigest())
+            self.send_header("Content-Length", str(len(sent)))
+            self.end_headers()
+            self.wfile.write(sent)
+
         def _json(self, status: int, obj: Any) -> None:
             data = json.dumps(obj).encode()
             self.send_response(status)
@@ -151,7 +179,8 @@ def _handler(srv: HostileServer) -> type[BaseHTTPRequestHandler]:
                 part = data
             self.send_response(status)
             self.send_header("ETag", srv.etag(key))
-            self.send_header("x-reshard-sha256", srv.sha(key))
+            if srv.send_sha:
+                self.send_header("x-reshard-sha256", srv.sha(key))
             if status == 206:
                 self.send_header("Content-Range", f"bytes {lo}-{lo + len(part) - 1}/{len(data)}")
             lie = srv.extra_length if len(part) > 1 else 0

@@ -145,7 +145,8 @@ def test_corrupt_or_incomplete_checkpoint_is_one_clear_error(tp1_runs: Path, tmp
 @pytest.mark.pure
 def test_saved_config_names_the_saved_dtype(tmp_path: Path) -> None:
     """A bfloat16 checkpoint trained in float32 is saved in float32 and its config.json says so (and so does
-    `reshard merge`'s); resuming it in bfloat16 is the same model (the fingerprint ignores the dtype)."""
+    `reshard merge`'s); its generation config and tokenizer files are kept all the way; resuming it in
+    bfloat16 is the same model (the fingerprint ignores the dtype)."""
     import json
 
     import transformers
@@ -153,6 +154,9 @@ def test_saved_config_names_the_saved_dtype(tmp_path: Path) -> None:
     full = make_checkpoint("llama", tmp_path / "fp32")
     transformers.AutoModelForCausalLM.from_pretrained(full, dtype=torch.bfloat16).save_pretrained(tmp_path / "bf16")
     assert json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"
+    small = {"generation_config.json": b'{"do_sample": false, "max_new_tokens": 7}', "tokenizer_config.json": b'{"x": 1}'}
+    for name, data in small.items():
+        (tmp_path / "bf16" / name).write_bytes(data)
     write_shards(tmp_path / "bf16", 1, tmp_path / "tp1")
     rc, _, err = train_here("--shards", str(tmp_path / "tp1"), "--steps", "1", "--save", str(tmp_path / "ck"),
                             "--dtype", "float32")
@@ -161,6 +165,8 @@ def test_saved_config_names_the_saved_dtype(tmp_path: Path) -> None:
     for d in (tmp_path / "ck", tmp_path / "merged"):
         assert json.loads((d / "config.json").read_text())["dtype"] == "float32", d
     assert {t.dtype for t in load_file(tmp_path / "merged" / "model.safetensors").values()} == {torch.float32}
+    for name, data in small.items():  # the source's small files travel: shards -> training checkpoint -> merge
+        assert (tmp_path / "ck" / name).read_bytes() == data and (tmp_path / "merged" / name).read_bytes() == data
     from reshard.cli.train import main
 
     with contextlib.redirect_stdout(out := io.StringIO()):

@@ -117,16 +117,20 @@ class ShardBody:
 
     def __init__(self, url: str, rank: int, tp: int | Layout, *, token: str | None = None, timeout: float = 60.0,
                  retries: int = 5, backoff: float = 0.25, rules: str | None = None, engine: str | None = None) -> None:
-        self.url, basic = without_credentials(checkpoint_url(url))  # no password in any name or message
-        self._given = url  # for the error client, which sends its credentials the same way
-        self.rank, self.tp, self.timeout, self.retries, self.backoff = rank, tp, timeout, retries, backoff
-        self.token, self.params = token, {k: v for k, v in (("rules", rules), ("engine", engine)) if v}
+        self.url, self._basic = without_credentials(checkpoint_url(url))  # no password in any name or message
+        self.rank, self.tp = rank, tp
+        self.params = {k: v for k, v in (("rules", rules), ("engine", engine)) if v}
         self._shard = f"{self.url}/shards/{rank}"
         self._query = {**self.params, **layout_params(tp)}
-        self._auth = {**auth_headers(token), **basic}
-        self.name = f"{self.url} rank {rank}/{as_world(tp)}"
-        self._pace = Pace.from_settings(self.name)
         self._client: ShardClient | None = None  # httpx, only to name an error answer
+        self._start(f"{self.url} rank {rank}/{as_world(tp)}", token=token, timeout=timeout, retries=retries,
+                    backoff=backoff)
+
+    def _start(self, name: str, *, token: str | None, timeout: float, retries: int, backoff: float) -> None:
+        """Set what every body of the service has, then send the request (`_send`) and check its answer."""
+        self.name, self.token, self.timeout, self.retries, self.backoff = name, token, timeout, retries, backoff
+        self._auth = {**auth_headers(token), **self._basic}  # a URL's credentials: see `without_credentials`
+        self._pace = Pace.from_settings(name)
         self.pos, self.size, self.etag, self.sha256, self.verify = 0, 0, "", None, True
         self._conn: http.client.HTTPConnection | None = None
         self._resp: http.client.HTTPResponse | None = None
@@ -140,23 +144,32 @@ class ShardBody:
             self.close()
             raise
 
-    def _open(self) -> int:
-        """(Re)send the GET from `self.pos`; check what answers it."""
-        self._disconnect()
+    def _send(self, headers: dict[str, str]) -> http.client.HTTPConnection:
+        """Send the request (with `headers`) on a new connection: `GET` of the shard."""
         conn, target = connect(self._shard + "?" + urlencode(self._query), timeout=self.timeout)
+        self._conn = conn
+        conn.request("GET", target, headers=headers)
+        return conn
+
+    def _refused(self, resp: http.client.HTTPResponse) -> None:
+        """Raise the error a 4xx answer names: asked again through the httpx client, as `ShardClient` raises it."""
+        self._disconnect()
+        self.client().head(self.rank, self.tp)
+
+    def _open(self) -> int:
+        """(Re)send the request from `self.pos`; check what answers it."""
+        self._disconnect()
         headers = {**self._auth, "Accept-Encoding": "identity"}
         if self.pos:
             headers.update({"Range": f"bytes={self.pos}-", "If-Range": self.etag})
-        self._conn = conn
-        conn.request("GET", target, headers=headers)
         self._pace.restart()
+        conn = self._send(headers)
         resp = conn.getresponse()
         self._resp = resp
         if resp.status >= 500:
             raise Retryable(f"HTTP {resp.status}")
         if resp.status >= 400:
-            self._disconnect()
-            self.client().head(self.rank, self.tp)  # raises the error the server names, as ShardClient does
+            self._refused(resp)
             raise Retryable(f"HTTP {resp.status}")
         self._check(resp)
         if conn.sock is not None:  # the body: no byte for `stall` seconds is a stall
@@ -212,7 +225,8 @@ class ShardBody:
 
     def expected_sha256(self) -> str | None:
         if self.sha256 is None:  # the server did not know it when the body started: it does now
-            d = get_json(self._shard + "/digest", params=self._query, token=self.token, timeout=max(self.timeout, 600.0))
+            d = get_json(self._shard + "/digest", params=self._query, token=self.token, timeout=max(self.timeout, 600.0),
+                         credentials=self._basic)
             if d["etag"] != self.etag:
                 raise IntegrityError(f"{self.name}: the shard changed on the server during the download")
             self.sha256 = d["sha256"]
@@ -233,22 +247,23 @@ class ShardBody:
         if self._client is None:
             from reshard.io.client.shard_client import ShardClient
 
-            self._client = ShardClient(self._given, token=self.token, retries=self.retries, timeout=self.timeout,
+            self._client = ShardClient(self.url, credentials=self._basic, token=self.token, retries=self.retries, timeout=self.timeout,
                                        backoff=self.backoff, **self.params)
         return self._client
 
     def close(self) -> None:
         self._disconnect()
-        if self._client is not None:
+        if getattr(self, "_client", None) is not None:
             self._client.close()
 
 
 def get_json(url: str, *, params: dict[str, Any] | None = None, token: str | None = None,
-             timeout: float = 60.0) -> dict[str, Any]:
+             timeout: float = 60.0, credentials: dict[str, str] | None = None) -> dict[str, Any]:
     """GET a small JSON answer of the service (the checkpoint's info, a shard's digest) with `http.client`;
     anything but a 2xx answer is asked again through `ShardClient`, which retries and raises the error
     the server named, so both paths fail alike."""
     clean, basic = without_credentials(url)
+    basic = basic or credentials or {}
     full = clean + ("?" + urlencode(params) if params else "")
     try:
         conn, target = connect(full, timeout=timeout)
@@ -262,7 +277,7 @@ def get_json(url: str, *, params: dict[str, Any] | None = None, token: str | Non
             conn.close()
     except (OSError, http.client.HTTPException, ValueError, ReshardError, Retryable):
         pass  # asked again through the client, which retries and names the error
-    return _through_client(url, params or {}, token, timeout)
+    return _through_client(clean, params or {}, token, timeout, basic)
 
 
 def read_capped(resp: http.client.HTTPResponse, *, cap: int, pace: Pace, what: str) -> bytes:
@@ -281,11 +296,12 @@ def read_capped(resp: http.client.HTTPResponse, *, cap: int, pace: Pace, what: s
     return b"".join(parts)
 
 
-def _through_client(url: str, params: dict[str, Any], token: str | None, timeout: float) -> dict[str, Any]:
+def _through_client(url: str, params: dict[str, Any], token: str | None, timeout: float,
+                    credentials: dict[str, str]) -> dict[str, Any]:
     from reshard.io.client.shard_client import ShardClient  # httpx only on this path
 
     base = url[: url.index("/v1/checkpoints/")] + "/v1/checkpoints/" + url.split("/v1/checkpoints/", 1)[1].split("/")[0]
-    with ShardClient(base, token=token, timeout=timeout) as client:
+    with ShardClient(base, token=token, timeout=timeout, credentials=credentials) as client:
         return client._json("GET", url, params=params)  # noqa: SLF001  the same request, retried, errors named
 
 
@@ -312,4 +328,4 @@ def file_body(path: Path, *, sha256: str | None = None) -> FileBody:
         raise SourceChangedError(f"{path}: cannot open: {e.strerror}") from None
 
 
-__all__ = ["FileBody", "RankBytes", "ShardBody", "chunks_of", "file_body", "get_json"]
+__all__ = ["FileBody", "RankBytes", "ShardBody", "chunks_of", "file_body", "get_json", "read_capped"]

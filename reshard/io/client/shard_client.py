@@ -46,14 +46,14 @@ from typing import Any
 
 import httpx
 
-from reshard import errors
-from reshard.errors import IntegrityError, NotFoundError, ReshardError
+from reshard.errors import IntegrityError, ReshardError
 from reshard.format.meta_files import check_listing
 from reshard.io.client.pace import Pace, PaceLimits
 from reshard.io.client.wire import (
     MAX_JSON_BYTES,
     RETRY_CAP,
     SHA_HEADER,
+    answer_error,
     auth_headers,
     layout_params,
     without_credentials,
@@ -100,8 +100,12 @@ class ShardClient:
 
     def __init__(self, checkpoint_url: str, *, token: str | None = None, retries: int = 5, timeout: float = 60.0,
                  backoff: float = 0.25, rules: str | None = None, engine: str | None = None, verify: bool = True,
-                 transport: httpx.BaseTransport | None = None, pace: PaceLimits | None = None) -> None:
+                 transport: httpx.BaseTransport | None = None, pace: PaceLimits | None = None,
+                 credentials: dict[str, str] | None = None) -> None:
+        """`credentials`: the Authorization header a URL's `user:password@` stood for, where the caller
+        took them out already (`wire.without_credentials`)."""
         url, basic = without_credentials(as_checkpoint_url(checkpoint_url))
+        basic = basic or credentials or {}
         self.url, self.retries, self.backoff, self.verify = url, retries, backoff, verify
         self.params = {k: v for k, v in (("rules", rules), ("engine", engine)) if v}
         self.timeout = timeout
@@ -317,15 +321,7 @@ class ShardClient:
             return
         if status in _RETRY_STATUS:
             raise Retryable(f"HTTP {status}")
-        try:
-            obj = json.loads(body)
-            name, detail = str(obj.get("error")), str(obj.get("detail"))
-        except (ValueError, AttributeError):
-            name, detail = "", body[:300].decode(errors="replace")
-        cls = getattr(errors, name, None)
-        if not (isinstance(cls, type) and issubclass(cls, ReshardError)):
-            cls = NotFoundError if status == 404 else ReshardError
-        raise cls(f"{what}: HTTP {status} {name}: {detail}")
+        raise answer_error(status, body, what)
 
 
 def _read_capped(r: httpx.Response, cap: int, pace: Pace, what: str) -> bytes:

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import base64
 import http.client
+import json
 import re
 import ssl
 from urllib.parse import unquote, urlsplit, urlunsplit
 
-from reshard.errors import ReshardError
+from reshard import errors
+from reshard.errors import NotFoundError, ReshardError
 from reshard.layout.mesh import Layout
 from reshard.settings import env_name, library_settings
 
@@ -92,5 +94,19 @@ def connect(url: str, *, timeout: float) -> tuple[http.client.HTTPConnection, st
     return conn, u.path + (f"?{u.query}" if u.query else "")
 
 
-__all__ = ["MAX_JSON_BYTES", "RETRY_CAP", "SHA_HEADER", "TOKEN_ENV", "as_world", "auth_headers", "checkpoint_url", "connect",
-           "is_checkpoint_url", "layout_params", "redact", "without_credentials"]
+def answer_error(status: int, body: bytes, what: str) -> ReshardError:
+    """The library error a 4xx answer of the service names (`{"error": CLASS, "detail": ...}`), as it was
+    raised on the server; `what` (the request) leads its message."""
+    try:
+        obj = json.loads(body)
+        name, detail = str(obj.get("error")), str(obj.get("detail"))
+    except (ValueError, AttributeError):
+        name, detail = "", body[:300].decode("utf-8", "replace")
+    cls = getattr(errors, name, None)
+    if not (isinstance(cls, type) and issubclass(cls, ReshardError)):
+        cls = NotFoundError if status == 404 else ReshardError
+    return cls(f"{what}: HTTP {status} {name}: {detail}")
+
+
+__all__ = ["MAX_JSON_BYTES", "RETRY_CAP", "SHA_HEADER", "TOKEN_ENV", "answer_error", "as_world", "auth_headers",
+           "checkpoint_url", "connect", "is_checkpoint_url", "layout_params", "redact", "without_credentials"]

@@ -1,7 +1,9 @@
-"""`reshard merge`: rank shards back to a full HF checkpoint, from the shards' own metadata.
+"""`reshard merge`: rank shards, or a torch DCP checkpoint, back to a full HF checkpoint.
 
-Each output file is planned like a rank file (every tensor whole, from the pieces the ranks hold,
-padding dropped) and streamed in bounded chunks: no tensor is ever materialized.
+The source describes itself: rank files by their metadata, a DCP checkpoint by its `.metadata` or its
+`DCP_SHARDING_INFO` (`reshard.io.source.dcp_dir`). Each output file is planned like a rank file (every
+tensor whole, from the pieces the ranks hold, padding dropped) and streamed in bounded chunks: no tensor
+is ever materialized.
 
 With `optimizer=True` a training checkpoint's AdamW state (`SRC/optimizer/`, `reshard.format.rank_file`)
 is merged too, one HF-shaped checkpoint per moment under the parameters' own names:
@@ -36,7 +38,8 @@ from reshard.io.outfs import (
 from reshard.io.progress import Progress
 from reshard.io.sinks.target import check_not_source
 from reshard.io.sinks.writer import write_files
-from reshard.io.source.opener import open_shards
+from reshard.io.source.dcp_dir import DcpCheckpoint
+from reshard.io.source.opener import open_pieces, open_shards
 from reshard.io.source.rank_dir import ShardSet
 from reshard.io.source.remote_dir import copy_meta_files
 from reshard.io.source.schemes import check_scheme
@@ -49,7 +52,7 @@ DEFAULT_MAX_FILE = 5 * 10**9
 _RETRY = "run the same merge again"
 
 
-def merge_plans(shards: ShardSet, *, max_file_bytes: int = DEFAULT_MAX_FILE,
+def merge_plans(shards: ShardSet | DcpCheckpoint, *, max_file_bytes: int = DEFAULT_MAX_FILE,
                 rename: Mapping[str, str] | None = None) -> list[tuple[str, RankPlan]]:
     """The output files (HF names) and their plans: tensors in name order, a new file past `max_file_bytes`.
     With `rename` (shard tensor name -> output name) only the tensors it names, under their new names."""
@@ -74,11 +77,15 @@ def merge_plans(shards: ShardSet, *, max_file_bytes: int = DEFAULT_MAX_FILE,
 
 def merge(src: str | Path, out: str | Path, *, max_file_bytes: int = DEFAULT_MAX_FILE,
           progress: bool | None = None, optimizer: bool = False) -> dict[str, Any]:
-    """Merge the rank shards in `src` into an HF checkpoint in `out`; returns a summary. With `optimizer`,
-    `src` is a training checkpoint and its AdamW moments are merged too (the module docstring)."""
+    """Merge the rank shards (or the DCP checkpoint) in `src` into an HF checkpoint in `out`; returns a
+    summary. With `optimizer`, `src` is a training checkpoint and its AdamW moments are merged too (the
+    module docstring)."""
     check_scheme(out)
-    shards = open_shards(src)
+    shards = open_pieces(src)
     check_not_source(out, shards.root, command="merge", shards=True)
+    if optimizer and isinstance(shards, DcpCheckpoint):
+        raise CheckpointError(f"{src}: --optimizer merges a reshard training checkpoint's AdamW rank files; this is a "
+                              "DCP checkpoint: drop --optimizer")
     moments = open_shards(_optimizer_src(src)) if optimizer else None  # refused before anything is written
     for s in (shards, moments):
         if s is not None:
@@ -141,7 +148,7 @@ def _optimizer_src(src: str | Path) -> str | Path:
     return Path(src) / OPTIMIZER_DIR
 
 
-def _merge_into(shards: ShardSet, out: str | Path, plans: list[tuple[str, RankPlan]],
+def _merge_into(shards: ShardSet | DcpCheckpoint, out: str | Path, plans: list[tuple[str, RankPlan]],
                 progress: bool | None) -> dict[str, Any]:
     """Write `plans` (from `merge_plans`) into `out`, with the index when several and `config.json`."""
     out = prepare_dir(out)
@@ -157,5 +164,7 @@ def _merge_into(shards: ShardSet, out: str | Path, plans: list[tuple[str, RankPl
             weight_map = {t.name: fname for fname, p in plans for t in p.tensors}
             write_json_atomic(out / INDEX_NAME, {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))})
         kept = copy_meta_files(shards.root, out)  # config.json (validated when the shards were opened), tokenizer...
-    return {"files": [f for f, _ in plans], "kept": kept, "tensors": sum(len(p.tensors) for _, p in plans), "bytes": total,
-            "tp": shards.tp, "layout": shards.layout.sizes()}
+    done = {"files": [f for f, _ in plans], "kept": kept, "tensors": sum(len(p.tensors) for _, p in plans), "bytes": total}
+    if isinstance(shards, DcpCheckpoint):
+        return {**done, "source": shards.kind, "left_out": list(shards.left_out)}
+    return {**done, "tp": shards.tp, "layout": shards.layout.sizes()}

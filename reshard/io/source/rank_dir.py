@@ -20,8 +20,8 @@ from reshard.format.checkpoint import (
     GlobalTensor,
     LocalDirectory,
     Piece,
+    PiecedSource,
     _read_config,
-    files_identity,
 )
 from reshard.format.rank_file import decode_metadata, is_rank_file_name, parse_rank_file_name
 from reshard.format.selection import selection_shape
@@ -39,7 +39,7 @@ def has_rank_files(names: list[str] | None) -> bool:
     return any(map(is_rank_file_name, names or ()))
 
 
-class ShardSet:
+class ShardSet(PiecedSource):
     """The rank files of one layout in a directory, seen as one checkpoint of global tensors."""
 
     def __init__(self, root: Path, layout: Layout, files: list[FileInfo], tensors: dict[str, GlobalTensor],
@@ -102,14 +102,6 @@ class ShardSet:
                                          tuple(p for _, p, _ in pieces), first["kind"], first.get("options") or {})
         return cls(root, layouts[0], files, tensors, _read_config(files_in))
 
-    def global_tensors(self) -> dict[str, GlobalTensor]:
-        return self.tensors
-
-    def identity(self) -> dict[str, Any]:
-        return files_identity(self.files)
-
-    def total_bytes(self) -> int:
-        return sum(t.nbytes for t in self.tensors.values())
 
     def manifest(self) -> Manifest:
         """One exact-name rule per tensor, with the kind and options the shards recorded."""

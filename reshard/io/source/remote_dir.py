@@ -18,6 +18,7 @@ from typing import Any
 
 from reshard.errors import CheckpointError
 from reshard.format.checkpoint import FileInfo, TensorInfo, header_bytes_wanted, header_from
+from reshard.format.dcp_metadata import METADATA_NAME
 from reshard.format.meta_files import KEPT_NAMES
 from reshard.io.outfs import atomic_file, copy_atomic
 from reshard.io.source import store_cache
@@ -138,7 +139,7 @@ class RemoteDirectory:
         if self.can_list:
             dirs, files = self.listing()
             return bool(dirs or files)
-        return any(self.is_file(n) for n in ("model.safetensors.index.json", "model.safetensors"))
+        return any(self.is_file(n) for n in ("model.safetensors.index.json", "model.safetensors", METADATA_NAME))
 
 
 def read_file(root: Path | RemotePath, name: str) -> bytes:

@@ -28,7 +28,7 @@ from reshard.service.api.middleware import (
     BodyLimit,
     RequestMetrics,
 )
-from reshard.service.api.routers import checkpoints, health, jobs, meta, metrics, shards
+from reshard.service.api.routers import boxes, checkpoints, health, jobs, meta, metrics, shards
 from reshard.service.api.uploads import remove_dead_uploads
 from reshard.service.catalog import Catalog
 from reshard.service.http_errors import install_error_handlers
@@ -57,6 +57,7 @@ SWAGGER_UI = {"validatorUrl": None}
 TAGS = [
     {"name": "checkpoints", "description": "What is served, its manifest, uploads."},
     {"name": "shards", "description": "Rank shards as safetensors bytes; their digests."},
+    {"name": "boxes", "description": "Blocks of tensors a client names, as safetensors bytes; their digests."},
     {"name": "jobs", "description": "Write rank files into the output directory in the background."},
     {"name": "metrics", "description": "Prometheus metrics."},
     {"name": "health", "description": "Liveness."},
@@ -67,6 +68,15 @@ def _is_upload(path: str) -> bool:
     """`PUT /v1/checkpoints/{name}/files/{filename}` streams to disk under `max_upload_bytes`."""
     parts = path.split("/")
     return len(parts) == 6 and parts[1:3] == ["v1", "checkpoints"] and parts[4] == "files"
+
+
+_BOXES_TAILS = [["boxes"], ["boxes", "digest"], ["optimizer", "boxes"], ["optimizer", "boxes", "digest"]]
+
+
+def _is_boxes(path: str) -> bool:
+    """`POST /v1/checkpoints/{name}[/optimizer]/boxes[/digest]`: a list of boxes, under `max_boxes_body_bytes`."""
+    parts = path.split("/")
+    return parts[1:3] == ["v1", "checkpoints"] and parts[4:] in _BOXES_TAILS
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -117,10 +127,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     bearer = HTTPBearer(auto_error=False, description="the server's --token (RESHARD_TOKEN)")
     secured = [] if settings.token is None else [Depends(bearer)]
     app.include_router(health.router)
-    for module in (checkpoints, meta, shards, jobs, metrics):
+    for module in (checkpoints, meta, shards, boxes, jobs, metrics):
         app.include_router(module.router, dependencies=secured)
 
-    app.add_middleware(BodyLimit, limit=settings.max_body_bytes, exempt=_is_upload)
+    app.add_middleware(BodyLimit, limit=settings.max_body_bytes, exempt=lambda p: _is_upload(p) or _is_boxes(p))
+    app.add_middleware(BodyLimit, limit=settings.max_boxes_body_bytes, exempt=lambda p: not _is_boxes(p))
     if settings.token is not None:
         public = PUBLIC_PATHS | DOC_PATHS if settings.public_docs else PUBLIC_PATHS
         app.add_middleware(BearerAuth, token=settings.token.get_secret_value(), public=public,

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from reshard.cli import main
 from reshard.errors import IntegrityError, ReshardError
@@ -40,7 +41,7 @@ def shards(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         assert main(["write", str(ckpt), "--tp", str(tp), "-o", str(base / f"tp{tp}"), "--no-progress"]) == 0
         for r in range(tp):
             out[(r, tp)] = (base / f"tp{tp}" / rank_file_name(r, tp)).read_bytes()
-    return {"files": out, "config": json.loads((ckpt / "config.json").read_text())}
+    return {"files": out, "config": json.loads((ckpt / "config.json").read_text()), "dir": ckpt}
 
 
 @pytest.fixture
@@ -216,6 +217,25 @@ def test_every_consumer_of_a_service_url_checks_the_digest(srv: HostileServer, s
         build_model(srv.url)
 
 
+@pytest.mark.parametrize("lie", ["flipped", "zeros"])
+def test_read_boxes_checks_the_digest_too(srv: HostileServer, shards: dict[str, Any], lie: str) -> None:
+    """`read_boxes` from the service (`POST .../boxes`): the answer's bytes under a wrong digest are refused."""
+    from reshard.fill.box_fill import read_boxes
+    from reshard.format.box_request import Box
+
+    srv.boxes_source = shards["dir"]
+    boxes = [Box("model.embed_tokens.weight", (0, 0), (256, 64)), Box("lm_head.weight", (8, 0), (100, 64))]
+    want = read_boxes(shards["dir"], boxes)  # planned here from the checkpoint: the reference
+    got = read_boxes(srv.url, boxes)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    if lie == "flipped":
+        srv.boxes_edit = _flipped
+    else:
+        srv.boxes_digest = "0" * 64
+    with pytest.raises(IntegrityError, match=r"/boxes \(2 boxes\): sha256 \w+ of the answer does not match the server's"):
+        read_boxes(srv.url, boxes)
+
+
 # --- credentials in the URL ---------------------------------------------------------------------------
 
 def test_credentials_in_the_url_are_sent_but_never_printed(srv: HostileServer, shards: dict[str, Any],
@@ -230,9 +250,11 @@ def test_credentials_in_the_url_are_sent_but_never_printed(srv: HostileServer, s
     basic = "Basic " + base64.b64encode(b"alice:s3cret").decode()
     assert {r[2].get("Authorization") for r in srv.requests} == {basic}  # every request authenticated
     srv.requests.clear()
+    srv.send_sha = False  # the digest asked for afterwards: with the same credentials
     with pytest.raises(IntegrityError) as e:
         body = ShardBody(secret_url, 0, 2)  # fill_model's client: it used to drop the credentials
         body.readinto(memoryview(bytearray(body.size)))
         body.expected_sha256()
         raise IntegrityError(body.name)
     assert "s3cret" not in str(e.value) and {r[2].get("Authorization") for r in srv.requests} == {basic}
+    assert [r[1].split("?")[0] for r in srv.requests] == [f"/v1/checkpoints/ck/shards/0{d}" for d in ("", "/digest")]
