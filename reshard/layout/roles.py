@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from reshard.errors import PlanError
+from reshard.rules.quant.scheme import logical_name
 from reshard.rules.tp_plans import entry_for
 from reshard.rules.tp_plans.convert import Conversion
 from reshard.rules.tp_plans.derive import wildcard
@@ -290,9 +291,20 @@ def _template(name: str, arch: _Arch) -> _Template:
             break
     generic = wildcard(_NUM.sub("0", conv.name))
     local = generic[len(pre):] if generic.startswith(pre) else generic
-    ep = arch.ep_plan.get(local) in EP_STYLES or arch.ep_plan.get(generic) in EP_STYLES
+    ep = any(arch.ep_plan.get(k) in EP_STYLES for k in _ep_keys(generic, pre))
     return _Template(pp_at, conv.name.startswith("lm_head."), layer_at, expert_at, ep,
                      generic in arch.buffers or local in arch.buffers)
+
+
+def _ep_keys(generic: str, pre: str) -> list[str]:
+    """The names the expert-parallel plan may list a parameter under: with and without the model prefix,
+    and for a tensor of a packed quantized module its logical weight's (`experts.gate_up_proj` for
+    MXFP4's `experts.gate_up_proj_blocks`), which expert parallelism cuts the same way."""
+    names = [generic]
+    logical = logical_name(generic)
+    if logical is not None and logical != generic:
+        names.append(logical)
+    return [k for n in names for k in ((n[len(pre):], n) if pre and n.startswith(pre) else (n,))]
 
 
 def _per_expert(names: list[str], idx: list[int], numbers: np.ndarray, expert_at: int,

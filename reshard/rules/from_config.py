@@ -14,7 +14,7 @@ from typing import Any
 
 from reshard.errors import ManifestError
 from reshard.rules.manifest import CONFIG_RULE_HOOKS, Manifest
-from reshard.rules.quant.rules import quantized_rules
+from reshard.rules.quant.rules import logical_names, quantized_rules
 from reshard.rules.tp_plans import resolve_plan
 from reshard.rules.tp_plans.derive import PlanRules
 
@@ -28,7 +28,7 @@ def from_config(config: dict[str, Any], tensor_names: Iterable[str] = ()) -> Man
     """
     entry, source = resolve_plan(config)
     names = list(tensor_names) or entry.stand_in_names()
-    rules = PlanRules(entry, config).rules(names)
+    rules = PlanRules(entry, config).rules(names + logical_names(config, names))
     extra = [r for hook in CONFIG_RULE_HOOKS for r in hook(config, names)]
 
     return Manifest(tuple(quantized_rules(extra + rules, config, names)), False, source)

@@ -58,7 +58,7 @@ def merged(intervals: Sequence[Interval]) -> list[Interval]:
     return out
 
 
-def _off_edge(intervals: Sequence[Interval], size: int, block: int) -> int | None:
+def off_edge(intervals: Sequence[Interval], size: int, block: int) -> int | None:
     """The first boundary of `intervals` inside a block of `size` indices (the end of the dim is an edge)."""
     for a, b in merged(intervals):
         if a % block:
@@ -79,7 +79,7 @@ class QuantizedWeightLoader(SliceLoader):
     def _check(self, shape: tuple[int, ...], sel: Selection) -> tuple[int, int, int] | None:
         for d, b in enumerate(granularity(len(shape), self.block)):
             if b is not None and b > 1:
-                bad = _off_edge(sel[d], shape[d], b)
+                bad = off_edge(sel[d], shape[d], b)
                 if bad is not None:
                     return d, b, bad
         return None
@@ -131,13 +131,13 @@ class BlockScaleLoader(SliceLoader):
             if b is None:
                 out.append(((0, n),))
                 continue
-            if _off_edge(wsel[d], virtual[d], b) is not None:
+            if off_edge(wsel[d], virtual[d], b) is not None:
                 raise PlanError(f"the weight's split along dim {d} does not fall on blocks of {b}")
             out.append(tuple((a // b, -(-e // b)) for a, e in merged(wsel[d])))
         return tuple(out)
 
 
-class _AsKind:
+class AsKind:
     """A rule seen as its base kind: what the base kind's factory reads (kind, pattern, options)."""
 
     __slots__ = ("kind", "pattern", "options")
@@ -152,7 +152,7 @@ def quantized_loader(rule: Rule, suffix: str, *, base: str, scheme: QuantScheme 
         block = check_block(rule.options.get("block"), f"rule {rule.pattern!r} ({scheme.kind(base)})")
     except ManifestError as e:
         raise PlanError(str(e)) from None
-    as_base: Any = _AsKind(base, rule)
+    as_base: Any = AsKind(base, rule)
     if suffix == ".weight":
         return QuantizedWeightLoader(loader_for(as_base, ".weight"), block)
     if suffix in scheme.scale_suffixes:
@@ -183,7 +183,7 @@ def quantized_kind(kind: str, scheme: QuantScheme = FP8) -> str:
     return variant
 
 
-def _base_layer(base: str) -> Any:
+def base_layer(base: str) -> Any:
     def factory(module: Any, spec: dict[str, Any], group: Any) -> Any:
         make = layer_factory(base)
         return module if make is None else make(module, {**spec, "kind": base}, group)
@@ -196,7 +196,7 @@ def register_scheme_kinds(scheme: QuantScheme) -> None:
     `@register_loader("column_fp8")` function per kind) and a layer (the base kind's)."""
     for base in scheme.bases:
         register_loader(scheme.kind(base))(functools.partial(quantized_loader, base=base, scheme=scheme))
-        register_layer(scheme.kind(base))(_base_layer(base))
+        register_layer(scheme.kind(base))(base_layer(base))
 
 
 register_scheme_kinds(FP8)

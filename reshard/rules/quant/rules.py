@@ -14,7 +14,7 @@ pattern that matches the weight and its scales (`model.layers.*.self_attn.q_proj
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,19 +32,30 @@ class FollowRule(Rule):
     def __post_init__(self) -> None:
         super().__post_init__()
         # the companions' weight as its kind's scheme names them, looked up once (matches runs per tensor name)
-        object.__setattr__(self, "_weight_of", (scheme_of_kind(self.kind) or FP8).weight_of)
+        scheme = scheme_of_kind(self.kind) or FP8
+        object.__setattr__(self, "_weight_of", scheme.weight_of)
+        object.__setattr__(self, "_logical", scheme.logical_name)
 
     def matches(self, name: str) -> bool:
         weight = name if name in self.weights else self._weight_of(name)  # type: ignore[attr-defined]
-        return weight is not None and weight in self.weights and super().matches(weight)
+        return weight is not None and weight in self.weights and rule_matches_weight(self, weight, self._logical)  # type: ignore[attr-defined]
+
+
+def rule_matches_weight(rule: Rule, weight: str, logical: Callable[[str], str | None]) -> bool:
+    """Whether `rule` (its pattern alone) matches a quantized weight: by its own name or its module's
+    logical weight's (`X.weight` for `X.qweight`: what rules derived from a TP plan name)."""
+    if Rule.matches(rule, weight):
+        return True
+    other = logical(weight)
+    return other is not None and other != weight and Rule.matches(rule, other)
 
 
 def quantized_weights(names: Iterable[str], packed: QuantScheme = FP8) -> frozenset[str]:
     """The `X.weight` names that have a scale tensor of `packed` beside them."""
     names = set(names)
     return frozenset(
-        n[: -len(suffix)] + ".weight" for n in names for suffix in packed.scale_suffixes
-        if n.endswith(suffix) and n[: -len(suffix)] + ".weight" in names
+        n[: -len(suffix)] + packed.weight_suffix for n in names for suffix in packed.scale_suffixes
+        if n.endswith(suffix) and n[: -len(suffix)] + packed.weight_suffix in names
     )
 
 
@@ -62,12 +73,12 @@ def quantized_rules(rules: list[Rule], config: dict[str, Any] | None, names: Ite
     weights = quantized_weights(names, scheme.packed) if scheme else frozenset()
     if not weights:
         return rules
+    assert scheme is not None  # (weights is empty without one)
     first: dict[int, set[str]] = {}  # rule index -> the quantized weights it is the first match of
     rest = set()
     for w in weights:
-        i = next((i for i, rule in enumerate(rules) if rule.matches(w)), None)
+        i = next((i for i, rule in enumerate(rules) if rule_matches_weight(rule, w, scheme.packed.logical_name)), None)
         (rest if i is None else first.setdefault(i, set())).add(w)
-    assert scheme is not None  # (weights is empty without one)
     plain = [n for n in names if n not in weights and scheme.packed.weight_of(n) not in weights]
     out: list[Rule] = []
     for i, rule in enumerate(rules):
@@ -80,3 +91,16 @@ def quantized_rules(rules: list[Rule], config: dict[str, Any] | None, names: Ite
     if rest:
         out.append(twin(Rule("*", "replicate"), scheme, frozenset(rest)))
     return out
+
+
+def logical_names(config: dict[str, Any] | None, names: Iterable[str]) -> list[str]:
+    """The logical weights of the quantized modules among `names` that are not tensors themselves
+    (`X.weight` for GPTQ's `X.qweight`, `X` for MXFP4's `X_blocks`): rules derived from a TP plan are
+    derived for them too, so a module's twin is found by the name the plan knows."""
+    scheme = scheme_from_config(config)
+    if scheme is None:
+        return []
+    names = list(names)
+    have = set(names)
+    out = {scheme.packed.logical_name(w) for w in quantized_weights(names, scheme.packed)}
+    return sorted(n for n in out if n is not None and n not in have)

@@ -8,8 +8,15 @@ decorated function `(quantization_config) -> Scheme`:
     @register_quant_method("fp8")                 # DeepSeek-V3, Qwen3-*-FP8, Kimi-K2
     def _fp8(qc): return Scheme(block=tuple(qc["weight_block_size"]), ...)
 
-A method that is not registered (GPTQ, AWQ, MXFP4, bitsandbytes, ...) is an error naming the known
-ones, never a silent split of packed data.
+A method that is not registered (bitsandbytes, ...) is an error naming the known ones, never a silent
+split of packed data.
+
+A packed format (`QuantScheme`) describes each tensor of a quantized module as a `Part`: its suffix
+(replacing the module's stem) and, per stored dim, an `Axis` saying which dim of the module's logical
+(dequantized) weight it indexes and in what unit (2 FP4 values per byte, a group of 16, a block of 32,
+a stored dim that is not a logical one, one entry for the whole dim). `reshard.rules.quant.parts`
+turns that into loaders: every part of a module is split where the module's logical weight is split
+by its base kind, on the edges of every part's units.
 """
 
 from __future__ import annotations
@@ -22,6 +29,38 @@ from reshard.errors import ManifestError
 from reshard.registry import registrar
 
 Block = tuple[int | None, ...]
+Unit = int | str | None
+
+
+@dataclass(frozen=True)
+class Axis:
+    """One stored dim of a part, against the module's logical (dequantized) weight.
+
+    `dim`: the logical dim it indexes, counted from the end (-1 the input dim K, -2 the output dim N,
+    -3 the experts of a fused `[E, N, K]`); None for a stored dim that is no logical one (the 16 bytes
+    of an MXFP4 block): always taken whole. `unit`: logical indices per stored index (2 for FP4 values
+    packed two per byte along K, 16 for a group of 16, 8 for int4 nibbles in an int32); a str names
+    the rule option holding it (`"group_size"`); None for one entry covering the whole dim (a
+    per-channel scale's `[N, 1]`): taken whole. `what` names one stored index in errors ("byte of 2
+    FP4 values"); empty: "unit of N"."""
+
+    dim: int | None
+    unit: Unit = 1
+    what: str = ""
+
+
+@dataclass(frozen=True)
+class Part:
+    """One tensor of a quantized module: `stem + suffix` (`X.weight_scale`, `X_blocks`, `X.qzeros`).
+
+    `axes` describe the stored dims, right-aligned: a stored tensor with more dims than `axes` has
+    leading dims indexing the logical dims before the first axis' (a fused experts' `[E, ...]`), one
+    stored index per logical index. `axes=None`: every rank gets the whole tensor (a global or input
+    scale, scalars of each fused sub-matrix). A part whose stored shape is all ones is a scalar and
+    replicated too, unless it is the scheme's weight."""
+
+    suffix: str
+    axes: tuple[Axis, ...] | None
 
 
 @dataclass(frozen=True)
@@ -29,7 +68,14 @@ class QuantScheme:
     """A packed weight format as a value: the kinds it adds (each base kind's quantized twin, named
     `base + suffix`), the companion tensors a quantized weight `X.weight` has (by the suffix replacing
     `.weight`) and the dtypes its weights are stored in. Code asks the scheme, never a literal suffix;
-    a second packed format is one more `register_scheme(QuantScheme(...))`."""
+    a second packed format is one more `register_scheme(QuantScheme(...))`.
+
+    A packed format also says (the defaults are FP8's) what its weight tensor is called
+    (`weight_suffix`: `.weight`, `_blocks`, `.qweight`, `.weight_packed`), what the module's logical
+    weight, the name rules are written for, is called (`logical_suffix`: `.weight`, or `""` when the
+    stem is the parameter itself, gpt-oss' `experts.gate_up_proj`), and how each of its tensors is laid
+    out (`parts`, with the weight among them; `reshard.rules.quant.parts` registers their kinds). A
+    module is quantized when its weight has one of `scale_suffixes` beside it."""
 
     name: str
     suffix: str  # of its kinds: `column` -> `column_fp8`
@@ -37,10 +83,46 @@ class QuantScheme:
     scale_suffixes: tuple[str, ...]  # split with the weight, in block units
     replicated_suffixes: tuple[str, ...]  # one activation scale: every rank gets it
     torch_dtypes: tuple[str, ...]  # names in `torch` of the dtypes its weights are stored in
+    weight_suffix: str = ".weight"
+    logical_suffix: str = ".weight"
+    parts: tuple[Part, ...] = ()
+    description: str = ""  # one line for errors and docs ("MXFP4: FP4 E2M1 in blocks of 32, E8M0 scales")
+
+    def __post_init__(self) -> None:
+        suffixes = [p.suffix for p in self.parts]
+        if len(set(suffixes)) != len(suffixes):
+            raise ManifestError(f"quantization scheme {self.name!r}: parts {suffixes} repeat a suffix")
+        if self.parts and self.weight_suffix not in suffixes:
+            raise ManifestError(f"quantization scheme {self.name!r}: its weight {self.weight_suffix!r} is not one of "
+                                f"its parts {suffixes}")
 
     @property
     def companions(self) -> tuple[str, ...]:
+        """The suffixes of a quantized weight's other tensors (its parts but the weight, else FP8's scales)."""
+        if self.parts:
+            return tuple(p.suffix for p in self.parts if p.suffix != self.weight_suffix)
         return self.scale_suffixes + self.replicated_suffixes
+
+    def part(self, name: str) -> Part | None:
+        """The part a tensor name ends in (the longest suffix first); None if it is none of them."""
+        best = None
+        for p in self.parts:
+            if name.endswith(p.suffix) and (best is None or len(p.suffix) > len(best.suffix)):
+                best = p
+        return best
+
+    def stem(self, name: str) -> str | None:
+        """`X` for the weight or a companion of module `X`; None for another name."""
+        for suffix in sorted({self.weight_suffix, *self.companions}, key=len, reverse=True):
+            if name.endswith(suffix):
+                return name[: -len(suffix)]
+        return None
+
+    def logical_name(self, name: str) -> str | None:
+        """The module's logical weight for one of its tensors (`X.weight` for `X.qweight`, `X` for
+        `X_blocks`); None for a name that is none of the scheme's."""
+        stem = self.stem(name)
+        return None if stem is None else stem + self.logical_suffix
 
     def kind(self, base: str) -> str:
         """The quantized twin of kind `base` (its name; whether it is registered is the kinds' business)."""
@@ -51,10 +133,11 @@ class QuantScheme:
         return kind[: -len(self.suffix)] if kind.endswith(self.suffix) else None
 
     def weight_of(self, name: str) -> str | None:
-        """`X.weight` for a companion `X.weight_scale_inv`/`X.weight_scale`/`X.input_scale`, else None."""
-        for suffix in self.companions:
+        """`X.weight` for a companion `X.weight_scale_inv`/`X.weight_scale`/`X.input_scale` (the scheme's
+        weight for one of its companions: `X_blocks` for `X_scales`), else None."""
+        for suffix in sorted(self.companions, key=len, reverse=True):
             if name.endswith(suffix):
-                return name[: -len(suffix)] + ".weight"
+                return name[: -len(suffix)] + self.weight_suffix
         return None
 
 
@@ -76,6 +159,13 @@ def scheme_of_kind(kind: str) -> QuantScheme | None:
     return next((s for s in _SCHEMES.values() if s.base_of(kind) is not None), None)
 
 
+def logical_name(name: str) -> str | None:
+    """The logical weight a tensor of a packed module stands for, as the formats with `parts` name it
+    (`m.experts.gate_up_proj` for `m.experts.gate_up_proj_scales`): what an architecture's plans name;
+    None where no such format claims the name."""
+    return next((n for s in _SCHEMES.values() if s.parts for n in [s.logical_name(name)] if n is not None), None)
+
+
 FP8 = register_scheme(QuantScheme(
     "fp8", "_fp8", bases=("column", "row", "packed_column", "vocab_embed", "replicate"),
     scale_suffixes=(".weight_scale_inv", ".weight_scale"), replicated_suffixes=(".input_scale",),
@@ -84,16 +174,21 @@ FP8 = register_scheme(QuantScheme(
 
 @dataclass(frozen=True)
 class Scheme:
-    """How one checkpoint's weights are quantized: the scale granularity of its trailing dims, and the
-    packed format (`QuantScheme`) they are stored in."""
+    """How one checkpoint's weights are quantized: the scale granularity of its trailing dims (FP8's
+    `block`; None for a format whose parts say it), the packed format (`QuantScheme`) they are stored
+    in, and the rule options its parts' units read (`{"group_size": 16}`)."""
 
     method: str
-    block: Block
+    block: Block | None
     packed: QuantScheme = FP8
+    params: tuple[tuple[str, Any], ...] = ()
 
     def options(self) -> dict[str, Any]:
         """The rule options a quantized kind records (and a rules file may write by hand)."""
-        return {"block": list(self.block)}
+        out = dict(self.params)
+        if self.block is not None:
+            out["block"] = list(self.block)
+        return out
 
 
 def check_block(block: Any, where: str) -> Block:
