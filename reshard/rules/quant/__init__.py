@@ -9,6 +9,7 @@
 Importing `reshard.rules` imports this package's kinds, so recorded kinds resolve everywhere.
 """
 
+from reshard.rules.quant import awq, gptq, pack_quantized  # noqa: F401  (the int4 formats register themselves)
 from reshard.rules.quant import fp8_kinds as kinds
 from reshard.rules.quant.scheme import Scheme, register_quant_method, scheme_from_config
 

@@ -50,9 +50,12 @@ LOGICAL = {-1: "input (K)", -2: "output (N)", -3: "expert"}
 
 
 def _unit(unit: Unit, options: dict[str, Any], where: str) -> int | None:
-    """An axis' unit, an option's value where it names one."""
+    """An axis' unit, an option's value where it names one (an option set to null: one entry for the
+    whole dim, as a per-channel scale or an act-order GPTQ's scales along K, which every rank keeps)."""
     if isinstance(unit, str):
         value = options.get(unit)
+        if value is None and unit in options:
+            return None
         if type(value) is not int or value <= 0:
             raise PlanError(f"{where}: option {unit}={value!r} must be a positive integer")
         return value

@@ -243,10 +243,22 @@ _CT_STRATEGIES = {"tensor": lambda w: (None, None), "channel": lambda w: (1, Non
                   "group": lambda w: (1, w.get("group_size"))}
 
 
+_CT_FORMATS: dict[str, MethodFactory] = {}
+
+
+def register_compressed_tensors_format(fmt: str) -> Callable[[MethodFactory], MethodFactory]:
+    """Bind a compressed-tensors `format` (`pack-quantized`) to a function `(quantization_config) -> Scheme`;
+    a checkpoint in a format no function claims is read as FP8 (`float-quantized`, `naive-quantized`)."""
+    return registrar(_CT_FORMATS, (fmt,), lambda f: f"compressed-tensors format {f!r}")
+
+
 @register_quant_method("compressed-tensors")
 def _compressed_tensors(qc: dict[str, Any]) -> Scheme:
     """compressed-tensors FP8 (`float-quantized`): per-tensor, per-channel ([out, 1]), block or group
-    `weight_scale`, optional `input_scale`. Every config group must use the same weight strategy."""
+    `weight_scale`, optional `input_scale`. Every config group must use the same weight strategy. A
+    `format` registered with `register_compressed_tensors_format` is that function's."""
+    if qc.get("format") in _CT_FORMATS:
+        return _CT_FORMATS[qc["format"]](qc)
     where = "config.json quantization_config (compressed-tensors)"
     groups = qc.get("config_groups")
     if not isinstance(groups, dict) or not groups:
