@@ -24,6 +24,7 @@ from typing import Any
 
 from reshard.errors import PlanError
 from reshard.format.checkpoint import DTYPE_SIZES, GlobalTensor, Source, whole_infos
+from reshard.format.headers import DTYPE_ORDER
 from reshard.format.rank_file import FORMAT, HeaderEncoder, header_prefix, tensor_json
 from reshard.format.selection import full_selection, selection_shape
 from reshard.gcpause import paused_gc
@@ -135,14 +136,14 @@ def _group_keys(tensors: Mapping[str, GlobalTensor], rules: Mapping[str, Rule]) 
 
 
 def _file_order(names: list[str], meta: Mapping[str, Any]) -> list[str]:
-    """`names` (sorted) in file order: largest item size first, then name (`data_order`); `names`
-    itself when every tensor has one item size."""
-    if len({DTYPE_SIZES[t.dtype] for t in meta.values()}) <= 1:
+    """`names` (sorted) in file order: by dtype as safetensors orders them, then name (`data_order`);
+    `names` itself when every tensor has one dtype."""
+    if len({t.dtype for t in meta.values()}) <= 1:
         return names
-    by_size: dict[int, list[str]] = {}
+    by_dtype: dict[int, list[str]] = {}
     for n in names:
-        by_size.setdefault(DTYPE_SIZES[meta[n].dtype], []).append(n)
-    return [n for size in sorted(by_size, reverse=True) for n in by_size[size]]
+        by_dtype.setdefault(DTYPE_ORDER[meta[n].dtype], []).append(n)
+    return [n for order in sorted(by_dtype, reverse=True) for n in by_dtype[order]]
 
 
 def _places(infos: Iterable[Any]) -> list[tuple[str, int]]:

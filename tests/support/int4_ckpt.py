@@ -210,12 +210,81 @@ def modules(state: dict[str, torch.Tensor], fmt: str) -> dict[str, dict[str, tor
     return out
 
 
+def in_features(fmt: str, t: dict[str, torch.Tensor]) -> int:
+    """K of a module's (or a rank's piece of a module's) packed weight."""
+    return {"gptq": lambda: t["qweight"].shape[0] * 8, "awq": lambda: t["qweight"].shape[0],
+            "ct": lambda: t["weight_packed"].shape[1] * 8}[fmt]()
+
+
 def dequantized_weights(path: Path, qc: dict[str, Any]) -> dict[str, torch.Tensor]:
     """Every quantized module's weight `W [N, K]` (float32) of the full checkpoint, by `X.weight` name."""
     fmt, group, _sym, _act = format_of(qc)
     out = {}
     for stem, t in modules(load_file(path / "model.safetensors"), fmt).items():
-        k = {"gptq": lambda: t["qweight"].shape[0] * 8, "awq": lambda: t["qweight"].shape[0],
-             "ct": lambda: t["weight_packed"].shape[1] * 8}[fmt]()
+        k = in_features(fmt, t)
         out[stem + ".weight"] = dequantize(fmt, t, groups=full_groups(fmt, t, k, group))
     return out
+
+
+# --- what a rank holds, by the TP math (independent of reshard's plan) -----------------------------------
+
+def heads_rows(heads: int, head_dim: int, tp: int, rank: int) -> torch.Tensor:
+    """A column split on heads; with fewer heads than ranks each head goes to tp/heads ranks."""
+    if heads % tp == 0:
+        return torch.arange(heads * head_dim).chunk(tp)[rank]
+    h = rank // (tp // heads)
+    return torch.arange(h * head_dim, (h + 1) * head_dim)
+
+
+def logical_index(stem: str, cfg: dict[str, Any], tp: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows of N, columns of K) of module `stem`'s weight that rank `rank` of `tp` holds."""
+    nh, kv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    q, k = heads_rows(nh, hd, tp, rank), heads_rows(kv, hd, tp, rank)
+    half = torch.arange(inter).chunk(tp)[rank]
+    every, hid = torch.arange(hidden), torch.arange(hidden)
+    return {
+        "q_proj": (q, every), "k_proj": (k, every), "v_proj": (k, every),
+        "o_proj": (hid, torch.arange(nh * hd).chunk(tp)[rank]),
+        "gate_proj": (half, every), "up_proj": (half, every), "down_proj": (hid, half),
+        "qkv_proj": (torch.cat([q, nh * hd + k, (nh + kv) * hd + k]), every),
+        "gate_up_proj": (torch.cat([half, inter + half]), every),
+    }[stem.rsplit(".", 1)[-1]]
+
+
+def stored_index(fmt: str, suffix: str, rows: torch.Tensor, cols: torch.Tensor, groups: torch.Tensor,
+                 shape: tuple[int, ...]) -> list[torch.Tensor]:
+    """Per stored dim of part `suffix`, the indices a rank holding logical `rows` x `cols` holds, where
+    `groups` are the scale groups it holds."""
+    def by8(t: torch.Tensor) -> torch.Tensor:
+        return torch.unique(t // 8)
+
+    return {
+        "gptq": {"qweight": [by8(cols), rows], "qzeros": [groups, by8(rows)], "scales": [groups, rows],
+                 "g_idx": [cols]},
+        "awq": {"qweight": [cols, by8(rows)], "qzeros": [groups, by8(rows)], "scales": [groups, rows]},
+        "ct": {"weight_packed": [rows, by8(cols)], "weight_scale": [rows, groups], "weight_zero_point": [by8(rows), groups],
+               "weight_g_idx": [cols], "weight_shape": [torch.arange(shape[0])]},
+    }[fmt][suffix]
+
+
+def rank_groups(qc: dict[str, Any], cols: torch.Tensor, n_groups: int) -> torch.Tensor:
+    """The scale groups (rows of `scales`) a rank holding input columns `cols` holds: its own groups, or
+    all of them where every rank keeps every group (channelwise, act order)."""
+    _fmt, group, _sym, act_order = format_of(qc)
+    if group == -1 or act_order:
+        return torch.arange(n_groups)
+    return torch.unique(cols // group)
+
+
+def local_groups(fmt: str, qc: dict[str, Any], t: dict[str, torch.Tensor], cols: torch.Tensor,
+                 held: torch.Tensor) -> torch.Tensor:
+    """For each input column of a rank's tensors `t`, the row of its scales (holding groups `held`) to use:
+    the rank's own `g_idx` when stored, else the column's group by `k // g`."""
+    _fmt, group, _sym, _act = format_of(qc)
+    gidx = t.get("g_idx", t.get("weight_g_idx"))
+    g = gidx.long() if gidx is not None else (torch.zeros_like(cols) if group == -1 else cols // group)
+    lut = torch.full((int(held.max()) + 1,), -1, dtype=torch.long)
+    lut[held] = torch.arange(len(held))
+    assert (lut[g] >= 0).all(), "a column's group is not among the scales the rank holds"
+    return lut[g]

@@ -22,19 +22,18 @@ from reshard.errors import ManifestError
 
 # the base kinds each int4 format has a twin of: `column` -> `column_gptq`, ...
 BASES = ("column", "row", "packed_column", "vocab_embed", "replicate", "expert_column", "expert_row")
-PACKED = "int32 of 8 4-bit values"  # how an error names one stored index of a packed dim
-ZEROS = "int32 of 8 zero points"
+PACKED = "packed int32 of 8 4-bit values"  # how an error names one stored index of a packed dim
+ZEROS = "packed int32 of 8 zero points"
 GROUP = "group"
 Params = tuple[tuple[str, Any], ...]
 
 
 def group_options(where: str, *, bits: Any, group: Any, act_order: bool) -> Params:
     """The rule options of a checkpoint's int4 kinds (`Scheme.params`): `group_size` (null where every rank
-    keeps all groups) and, under act order, `unit` (see the module docstring). `group` -1 or None is
-    channelwise."""
+    keeps all groups) and, under act order, `unit` (see the module docstring). `group` -1 is channelwise."""
     if bits != 4:
         raise ManifestError(f"{where}: {bits}-bit weights; only 4-bit integers (8 per int32) are supported")
-    if group is None or group == -1:
+    if group == -1:
         return (("group_size", None),)
     if type(group) is not int or group <= 0:
         raise ManifestError(f"{where}: group_size {group!r} must be a positive integer or -1 (channelwise)")

@@ -11,8 +11,9 @@ A quantized module `X` (a linear `W [N, K]`) stores:
 | `X.weight_g_idx` | I32 `[K]` (`actorder: group`) | the group of each input |
 | `X.weight_shape` | I64 `[2]` | `[N, K]` of the whole weight: every rank gets it, as vLLM loads it |
 
-A column split cuts N (N per rank a multiple of 8 when zero points are stored), a row split cuts K
-(a multiple of 8 and of g). Channelwise scales and `actorder: group` keep every group on every rank
+A column split cuts N (N per rank a multiple of 8 when zero points are stored: the rule option
+`zero_points` is 8 for asymmetric checkpoints, null for symmetric ones, which store none), a row split
+cuts K (a multiple of 8 and of g). Channelwise scales and `actorder: group` keep every group on every rank
 (`reshard.rules.quant.int4`). Modules in `ignore` are stored unquantized and keep the plain kinds.
 All config groups must agree on the group size and act order (else: a rules file per pattern).
 """
@@ -37,7 +38,7 @@ PACK_QUANTIZED = register_part_kinds(QuantScheme(
     torch_dtypes=("int32",), weight_suffix=".weight_packed", logical_suffix=".weight",
     parts=(Part(".weight_packed", (Axis(-2), Axis(-1, 8, PACKED))),
            Part(".weight_scale", (Axis(-2), Axis(-1, "group_size", GROUP))),
-           Part(".weight_zero_point", (Axis(-2, 8, ZEROS), Axis(-1, "group_size", GROUP))),
+           Part(".weight_zero_point", (Axis(-2, "zero_points", ZEROS), Axis(-1, "group_size", GROUP))),
            Part(".weight_g_idx", (Axis(-1),)),
            Part(".weight_shape", None)),
     description="compressed-tensors pack-quantized: int4 packed 8 per int32 along K (weight_packed [N, K/8]), "
@@ -68,8 +69,9 @@ def _pack_quantized(qc: dict[str, Any]) -> Scheme:
         inputs = group.get("input_activations")
         if inputs and not inputs.get("dynamic"):
             raise ManifestError(f"{at}: static input activation scales are not supported (dynamic or none are)")
-        size = w.get("group_size") if w["strategy"] == "group" else None
+        size = w.get("group_size") if w["strategy"] == "group" else -1
         params = group_options(at, bits=w.get("num_bits"), group=size, act_order=w.get("actorder") in _ACT_ORDER)
+        params += (("zero_points", None if w.get("symmetric", True) else 8),)
         if found and params != found[0]:
             raise ManifestError(f"{where}: config groups differ in group size or act order ({dict(found[0])} and "
                                 f"{dict(params)}); write a rules file with kinds *_ct_int4 and `group_size` per pattern")

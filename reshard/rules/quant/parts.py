@@ -142,10 +142,12 @@ class PartLoader(SliceLoader):
             # reports any real error
             return full_selection(logical)
 
-    def _works(self, logical: tuple[int, ...], held: set[int], tp: int) -> bool:
+    def _works(self, shape: tuple[int, ...], tp: int) -> bool:
+        """Whether `tp` splits this part on its units; a split the base kind refuses does not work (no
+        fallback to a whole part here: the tps an error lists must work for every part of the module)."""
         try:
-            return all(self._edges(logical, self._select_logical(logical, held, r, tp), held) is None
-                       for r in range(tp))
+            _axes, logical, held = self._logical(shape, tp)
+            return all(self._edges(logical, self.base.select(logical, r, tp), held) is None for r in range(tp))
         except PlanError:
             return False
 
@@ -158,7 +160,7 @@ class PartLoader(SliceLoader):
         bad = self._edges(logical, sel, held)
         if bad is not None:
             dim, unit, what, at = bad
-            good = [t for t in range(1, MAX_LISTED_TP + 1) if self._works(logical, held, t)]
+            good = [t for t in range(1, MAX_LISTED_TP + 1) if self._works(shape, t)]
             raise PlanError(
                 f"the {LOGICAL.get(dim, f'{dim}')} dim has {logical[dim + len(logical)]} values and tp={world_size} "
                 f"puts a rank boundary at {at}, inside one {what} ({self.scheme.name}: {unit} values), which two "

@@ -1,0 +1,252 @@
+"""Int4 rank shards (GPTQ, AWQ, compressed-tensors pack-quantized) against the full checkpoint: each rank's
+packed tensors are the checkpoint's own bytes at the indices the TP math gives it, and dequantize (by
+tests/support/int4_ckpt.py, written from the formats' descriptions) to exactly its slice of the
+dequantized full weight; merges give the checkpoint back byte for byte; misaligned splits are refused."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from reshard.cli import main
+from reshard.format.rank_file import rank_file_name
+from reshard.io.sinks.hf_checkpoint import merge
+from reshard.testing.synth import llama_config
+from tests.support.fp8_ckpt import write
+from tests.support.int4_ckpt import (
+    awq_qc,
+    ct_qc,
+    dequantize,
+    dequantized_weights,
+    format_of,
+    gptq_qc,
+    int4_checkpoint,
+    local_groups,
+    logical_index,
+    modules,
+    rank_groups,
+    stored_index,
+)
+
+pytestmark = pytest.mark.pure
+
+_BASE = {"hidden_size": 128, "num_attention_heads": 4, "head_dim": 32, "num_key_value_heads": 2,
+         "intermediate_size": 256, "num_hidden_layers": 1, "vocab_size": 128}
+# name -> (config, quantization_config): every format, its act order and channelwise variants, fused
+# q/k/v and gate/up (phi3), q/k/v biases (qwen2); 2 kv heads, so tp=4 shares each kv head by 2 ranks
+CASES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
+    "gptq": (llama_config(**_BASE), gptq_qc(32)),
+    "gptq_act": (llama_config(model_type="qwen2", **_BASE), gptq_qc(32, desc_act=True, sym=False)),
+    "gptq_channel": (llama_config(**_BASE), gptq_qc(-1)),
+    "gptq_phi3": (llama_config(model_type="phi3", **_BASE), gptq_qc(32)),
+    "awq": (llama_config(model_type="qwen2", **_BASE), awq_qc(32)),
+    "awq_phi3": (llama_config(model_type="phi3", **_BASE), awq_qc(32)),
+    "ct": (llama_config(**_BASE), ct_qc(32)),
+    "ct_asym_phi3": (llama_config(model_type="phi3", **_BASE), ct_qc(32, sym=False)),
+    "ct_channel": (llama_config(**_BASE), ct_qc(None, sym=False)),
+    "ct_act": (llama_config(model_type="qwen2", **_BASE), ct_qc(32, sym=False, actorder="group")),
+}
+KIND_SUFFIX = {"gptq": "_gptq", "awq": "_awq", "ct": "_ct_int4"}
+
+
+@pytest.fixture(scope="module")
+def int4(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """`int4(name)` -> the checkpoint of a case; `int4(name, tp)` -> its rank shards (each made once)."""
+    root = tmp_path_factory.mktemp("int4")
+    made: dict[tuple[str, int], Path] = {}
+
+    def get(name: str, tp: int = 0) -> Path:
+        if (name, 0) not in made:
+            config, qc = CASES[name]
+            made[(name, 0)] = int4_checkpoint(root / "root" / name, config, qc, seed=len(made))
+        if tp and (name, tp) not in made:
+            made[(name, tp)] = write(made[(name, 0)], tp, root / f"{name}-tp{tp}")
+        return made[(name, tp)]
+
+    return get
+
+
+def rank_file(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    with safe_open(str(path), "pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}, json.loads(f.metadata()["tensors"])
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8),
+                                                                      b.contiguous().view(torch.uint8))
+
+
+def take(t: torch.Tensor, index: list[torch.Tensor]) -> torch.Tensor:
+    for d, idx in enumerate(index):
+        t = t.index_select(d, idx)
+    return t
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("case", list(CASES))
+def test_every_rank_holds_its_units_and_dequantizes_to_its_slice(int4: Any, case: str, tp: int) -> None:
+    cfg, qc = CASES[case]
+    fmt = format_of(qc)[0]
+    full = load_file(int4(case) / "model.safetensors")
+    deq = dequantized_weights(int4(case), qc)
+    mods = modules(full, fmt)
+    assert len(mods) == (4 if "phi3" in case else 7)
+    for rank in range(tp):
+        local, desc = rank_file(int4(case, tp) / rank_file_name(rank, tp))
+        assert set(local) == set(full)
+        for stem, parts in mods.items():
+            rows, cols = logical_index(stem, cfg, tp, rank)
+            first = next(iter(parts.values()))
+            held = rank_groups(qc, cols, (parts.get("scales", parts.get("weight_scale"))).shape[
+                0 if fmt != "ct" else 1])
+            mine = {}
+            for suffix, t in parts.items():
+                name = f"{stem}.{suffix}"
+                want = take(t, stored_index(fmt, suffix, rows, cols, held, tuple(t.shape)))
+                assert same_bytes(local[name], want), (case, tp, rank, name)
+                assert desc[name]["kind"].endswith(KIND_SUFFIX[fmt]), (name, desc[name]["kind"])
+                mine[suffix] = local[name]
+            got = dequantize(fmt, mine, groups=local_groups(fmt, qc, mine, cols, held))
+            assert torch.equal(got, deq[stem + ".weight"][rows][:, cols]), (case, tp, rank, stem)
+            assert first.dtype == torch.int32
+            bias = f"{stem}.bias"
+            if bias in full:  # not a part: split as the column kind splits a bias
+                assert same_bytes(local[bias], full[bias][rows]), (case, tp, rank, bias)
+        assert desc["model.embed_tokens.weight"]["kind"] == "vocab_embed"  # not quantized: plain kinds
+        assert desc["lm_head.weight"]["kind"] == "column"
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_merge_returns_the_original_bytes(int4: Any, case: str, tmp_path: Path) -> None:
+    for tp in (2, 4):
+        out = tmp_path / f"tp{tp}"
+        summary = merge(int4(case, tp), out, progress=False)
+        assert summary["files"] == ["model.safetensors"]
+        for fname in ("model.safetensors", "config.json"):
+            assert (out / fname).read_bytes() == (int4(case) / fname).read_bytes(), (case, tp, fname)
+
+
+def test_int4_shards_reshard_to_another_tp(int4: Any, tmp_path: Path) -> None:
+    for case in ("gptq_act", "awq_phi3", "ct_asym_phi3"):
+        direct = write(int4(case, 4), 2, tmp_path / case)
+        for rank in range(2):
+            name = rank_file_name(rank, 2)
+            assert (direct / name).read_bytes() == (int4(case, 2) / name).read_bytes(), (case, rank)
+
+
+RULES = """\
+rules:
+  - pattern: "model.layers.*.self_attn.q_proj.*"
+    kind: column_gptq
+    heads: 4
+    group_size: 32
+  - pattern: "model.layers.*.self_attn.[kv]_proj.*"
+    kind: column_gptq
+    heads: 2
+    replicate_heads: true
+    group_size: 32
+  - regex: 'model\\.layers\\.\\d+\\.(self_attn\\.o|mlp\\.down)_proj\\..*'
+    kind: row_gptq
+    group_size: 32
+  - pattern: "model.layers.*.mlp.*_proj.*"
+    kind: column_gptq
+    group_size: 32
+  - pattern: model.embed_tokens.weight
+    kind: vocab_embed
+    pad: true
+  - pattern: lm_head.weight
+    kind: column
+    pad: true
+    gather_output: true
+"""
+
+
+def test_a_rules_file_says_the_same_explicitly(int4: Any, tmp_path: Path) -> None:
+    rules = tmp_path / "rules.yaml"
+    rules.write_text(RULES)
+    for tp in (2, 4):
+        out = write(int4("gptq"), tp, tmp_path / f"tp{tp}", "--rules", str(rules))
+        for rank in range(tp):
+            name = rank_file_name(rank, tp)
+            assert (out / name).read_bytes() == (int4("gptq", tp) / name).read_bytes(), (tp, rank)
+
+
+# (config, quantization_config, tp, the tensors named, what the error says, the tps it lists)
+MISALIGNED = {
+    # down_proj's K of 96 at tp=2: 48 inputs per rank cut a group of 32
+    "group": (dict(intermediate_size=96), gptq_qc(32), 2, r"mlp\.down_proj\.(qweight|qzeros|scales|g_idx)",
+              "the input (K) dim has 96 values and tp=2 puts a rank boundary at 48, inside one group (gptq: 32 values)",
+              "{1,3}"),
+    # act order keeps every group on every rank, and still the boundaries on group edges
+    "act_order": (dict(intermediate_size=96), gptq_qc(32, desc_act=True), 2,
+                  r"mlp\.down_proj\.(qweight|qzeros|scales|g_idx)", "puts a rank boundary at 48, inside one unit of 32",
+                  "{1,3}"),
+    # K of 96 at tp=4: 24 per rank, whole int32s of 8 but not whole AWQ groups of 32
+    "awq_group": (dict(intermediate_size=96), awq_qc(32), 4, r"mlp\.down_proj\.(qweight|qzeros|scales)",
+                  "tp=4 puts a rank boundary at 24, inside one group (awq: 32 values)", "{1,3}"),
+    # k/v_proj's 8 rows at tp=2: 4 per rank cut an int32 of 8 zero points (asymmetric only)
+    "zero_points": (dict(hidden_size=64, num_attention_heads=8, head_dim=4, num_key_value_heads=2,
+                         intermediate_size=64), ct_qc(None, sym=False), 2,
+                    r"self_attn\.[kv]_proj\.(weight_packed|weight_scale|weight_zero_point|weight_shape)",
+                    "the output (N) dim has 8 values and tp=2 puts a rank boundary at 4, inside one packed int32 of 8 "
+                    "zero points", "{1}"),
+}
+
+
+@pytest.mark.parametrize("case", list(MISALIGNED))
+def test_a_split_inside_a_unit_is_one_error_and_nothing_is_written(
+        case: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    changes, qc, tp, tensors, says, works = MISALIGNED[case]
+    src = int4_checkpoint(tmp_path / "ckpt", llama_config(**{**_BASE, **changes}), qc)
+    out = tmp_path / "out"
+    assert main(["write", str(src), "--tp", str(tp), "-o", str(out), "--no-progress"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith("reshard: error: model.layers.0."), err
+    assert __import__("re").search(tensors, err), err
+    assert says in err and f"pick tp in {works}" in err, err
+    assert not out.exists()
+    for good in map(int, works.strip("{}").split(",")):  # the tps it lists split this module
+        if good > 1 and (changes.get("num_attention_heads", 4) % good == 0):
+            assert main(["write", str(src), "--tp", str(good), "-o", str(tmp_path / f"tp{good}"), "--no-progress"]) == 0
+
+
+def test_symmetric_pack_quantized_has_no_zero_points_to_keep_whole(tmp_path: Path) -> None:
+    """The case above without zero points (symmetric): 4 rows per rank are fine, and dequantize exactly."""
+    cfg = llama_config(**{**_BASE, "hidden_size": 64, "num_attention_heads": 8, "head_dim": 4,
+                          "num_key_value_heads": 2, "intermediate_size": 64})
+    qc = ct_qc(None)
+    src = int4_checkpoint(tmp_path / "ckpt", cfg, qc)
+    out = write(src, 2, tmp_path / "tp2")
+    full = load_file(src / "model.safetensors")
+    deq = dequantized_weights(src, qc)
+    stem = "model.layers.0.self_attn.k_proj"
+    for rank in range(2):
+        local, _ = rank_file(out / rank_file_name(rank, 2))
+        rows = torch.arange(4 * rank, 4 * rank + 4)
+        assert same_bytes(local[stem + ".weight_packed"], full[stem + ".weight_packed"][rows])
+        t = {s: local[f"{stem}.{s}"] for s in ("weight_packed", "weight_scale")}
+        got = dequantize("ct", t, groups=torch.zeros(64, dtype=torch.long))
+        assert torch.equal(got, deq[stem + ".weight"][rows])
+
+
+def test_unquantized_modules_keep_their_plain_rule(tmp_path: Path) -> None:
+    """A module left out of quantization (`modules_to_not_convert` / `ignore`): its weight keeps the plain
+    kind; the quantized modules of the same rule get the twin."""
+    cfg, qc = CASES["awq"]
+    kept = "model.layers.0.mlp.down_proj.weight"
+    src = int4_checkpoint(tmp_path / "ckpt", cfg, {**qc, "modules_to_not_convert": ["down_proj"]}, keep=(kept,))
+    full = load_file(src / "model.safetensors")
+    out = write(src, 2, tmp_path / "tp2")
+    for rank in range(2):
+        local, desc = rank_file(out / rank_file_name(rank, 2))
+        assert desc[kept]["kind"] == "row" and local[kept].dtype == torch.bfloat16
+        assert torch.equal(local[kept], full[kept].chunk(2, dim=1)[rank])
+        assert desc["model.layers.0.self_attn.o_proj.qweight"]["kind"] == "row_awq"
+        assert desc["model.layers.0.self_attn.q_proj.bias"]["kind"] == "column"
