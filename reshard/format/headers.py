@@ -38,11 +38,11 @@ DTYPE_SIZES: dict[str, int] = {
     "I32": 4, "U32": 4, "F32": 4,
     "I64": 8, "U64": 8, "F64": 8, "C64": 8,
 }
-# safetensors' order of dtypes in a file (its `Dtype` enum, last first; then names): item sizes from the
-# largest down, and within one size U64 I64 F64 C64 | F32 U32 I32 | BF16 F16 U16 I16 | F8_E8M0 F8_E4M3 ...
-DTYPE_ORDER: dict[str, int] = {name: i for i, name in enumerate((
-    "BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E8M0", "I16", "U16", "F16", "BF16", "I32", "U32", "F32", "C64",
-    "F64", "I64", "U64"))}
+# safetensors' `Dtype` enum order: a file it writes holds its data in descending order of it, then by name
+# (U8 weights and F8_E4M3 scales of the same item size: the scales first)
+DTYPE_RANK: dict[str, int] = {name: i for i, name in enumerate((
+    "BOOL", "F4", "F6_E2M3", "F6_E3M2", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E8M0", "I16", "U16", "F16", "BF16",
+    "I32", "U32", "F32", "C64", "F64", "I64", "U64"))}
 
 
 def _fail(path: Path | str, msg: str) -> HeaderError:

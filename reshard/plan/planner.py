@@ -24,7 +24,6 @@ from typing import Any
 
 from reshard.errors import PlanError
 from reshard.format.checkpoint import DTYPE_SIZES, GlobalTensor, Source, whole_infos
-from reshard.format.headers import DTYPE_ORDER
 from reshard.format.rank_file import FORMAT, HeaderEncoder, header_prefix, tensor_json
 from reshard.format.selection import full_selection, selection_shape
 from reshard.gcpause import paused_gc
@@ -34,7 +33,7 @@ from reshard.layout.roles import source_roles
 from reshard.plan.planned import GroupLayout, LazySequence, PlannedTensors, TensorGroups
 from reshard.plan.reads import bytes_read
 from reshard.plan.segments import segments_for
-from reshard.plan.types import OutTensor, Plan, RankPlan, source_files
+from reshard.plan.types import OutTensor, Plan, RankPlan, data_order, source_files
 from reshard.rules.manifest import Manifest, Rule
 
 __all__ = ["LayoutPlanner", "LazyRanks", "RankPlanner", "make_plan", "make_planner", "resolve_rules"]
@@ -136,14 +135,14 @@ def _group_keys(tensors: Mapping[str, GlobalTensor], rules: Mapping[str, Rule]) 
 
 
 def _file_order(names: list[str], meta: Mapping[str, Any]) -> list[str]:
-    """`names` (sorted) in file order: by dtype as safetensors orders them, then name (`data_order`);
-    `names` itself when every tensor has one dtype."""
+    """`names` (sorted) in file order: largest item size first, then safetensors' dtype order, then name
+    (`data_order`); `names` itself when every tensor has one dtype."""
     if len({t.dtype for t in meta.values()}) <= 1:
         return names
-    by_dtype: dict[int, list[str]] = {}
+    by_dtype: dict[str, list[str]] = {}
     for n in names:
-        by_dtype.setdefault(DTYPE_ORDER[meta[n].dtype], []).append(n)
-    return [n for order in sorted(by_dtype, reverse=True) for n in by_dtype[order]]
+        by_dtype.setdefault(meta[n].dtype, []).append(n)
+    return [n for dtype in sorted(by_dtype, key=lambda d: data_order("", d)) for n in by_dtype[dtype]]
 
 
 def _places(infos: Iterable[Any]) -> list[tuple[str, int]]:

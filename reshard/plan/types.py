@@ -13,8 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-from reshard.format.checkpoint import Source
-from reshard.format.headers import DTYPE_ORDER
+from reshard.format.checkpoint import DTYPE_SIZES, Source
+from reshard.format.headers import DTYPE_RANK
 from reshard.format.rank_file import describe_tensor, rank_file_name
 from reshard.format.selection import Selection, full_selection
 from reshard.layout.mesh import MAX_WORLD, Layout
@@ -98,10 +98,10 @@ def check_tp(tp: Any, rank: Any = None) -> None:
         layout.check_rank(rank)
 
 
-def data_order(name: str, dtype: str) -> tuple[int, str]:
-    """Tensor order in a file, as safetensors writes one: by dtype (`DTYPE_ORDER`: largest item size first,
-    BF16 before F16, F32 before I32), then name."""
-    return (-DTYPE_ORDER[dtype], name)
+def data_order(name: str, dtype: str) -> tuple[int, int, str]:
+    """Tensor order in a file: largest item size first, then safetensors' dtype order (`DTYPE_RANK`), then name
+    (as safetensors does)."""
+    return (-DTYPE_SIZES[dtype], -DTYPE_RANK[dtype], name)
 
 
 def source_files(ckpt: Source) -> dict[str, tuple[int, int | str]]:

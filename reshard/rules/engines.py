@@ -12,7 +12,9 @@ self-description records them (a vocabulary cut for vLLM says `align: 64`).
 split the padded size evenly by tp (rank r holds rows [r*chunk, (r+1)*chunk), zeros past the real
 vocabulary), where transformers splits ceil(vocab / tp) rows; vocab 1000 at tp=2 is 512 + 488 (+24 zero
 rows) in vLLM and 500 + 500 in transformers. vLLM also splits shared experts (Qwen2-MoE's
-`shared_expert`, DeepSeek-style `shared_experts`) like any MLP, where transformers' plans replicate them.
+`shared_expert`, DeepSeek-style `shared_experts`) like any MLP, where transformers' plans replicate them,
+and gpt-oss' MXFP4 experts by TP (`reshard.rules.quant.VLLM_RULES`), where transformers' plan leaves
+them to expert parallelism.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Any
 from reshard.errors import RegistryError
 from reshard.registry import registrar
 from reshard.rules.manifest import Manifest, Rule
+from reshard.rules.quant import VLLM_RULES
 
 Cut = Callable[[Manifest, Sequence[str]], Manifest]
 _ENGINES: dict[str, Cut] = {}
@@ -69,4 +72,5 @@ def _vllm(manifest: Manifest, names: Sequence[str]) -> Manifest:
     rules = [dataclasses.replace(r, options={**r.options, "align": VLLM_VOCAB_ALIGN}) if is_vocab_split(r.kind, r.options) else r
              for r in manifest.rules]
     shared = [r for r in _SHARED_EXPERTS if any(r.matches(n) for n in names)]  # (a rule matching nothing warns)
-    return Manifest((*rules, *shared), manifest.strict, f"{manifest.source}, cut for vllm")
+    packed = [r for r in VLLM_RULES if any(r.matches(n) for n in names)]  # before the rest: they replace its twins
+    return Manifest((*packed, *rules, *shared), manifest.strict, f"{manifest.source}, cut for vllm")

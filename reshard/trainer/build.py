@@ -59,8 +59,10 @@ def build_model(
         raise CheckpointError(f"{name}: is a shard of {header.layout.describe()}; the bundled trainer runs tensor "
                               f"parallelism only: write rank files of tp={tp} alone (reshard write SHARDS --tp {tp} -o DIR)")
     header.check(rank, Layout(tp=tp), fix=f"give it rank {rank}'s shard of tp={tp}")
+    quant = Dequantizer(header.tensors, header.dtypes())
+    quant.check_trainable()
     if dtype is None:
-        Dequantizer(header.tensors, header.dtypes()).check_keep()
+        quant.check_keep()
     model = meta_model(hf_config(config), dtype=dtype or stored_dtype(header),
                        attn_implementation=attn_implementation)
     tied = tied_pair(model)

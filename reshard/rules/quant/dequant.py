@@ -89,9 +89,34 @@ class Dequantizer:
             self.companions.update(stem + s for s in scheme.companions if stem + s in tensors)
         self._scale_of = {s: w for w, s in self.weights.items()}  # scale -> its weight
         self._held: dict[str, torch.Tensor] = {}
+        self.dtypes = dtypes
+        # tensors of a format described by parts (MXFP4, NVFP4, int4): filled as stored, never dequantized here
+        self.packed = {name: q for name, desc in tensors.items()
+                       for q in [scheme_of_kind(desc.get("kind", ""))] if q is not None and q.parts}
+
+    def check_packed(self, name: str, target: torch.Tensor | None = None) -> None:
+        """A tensor of a packed 4-bit format goes into a parameter that holds it as stored (a consumer such as
+        vLLM's packed parameters); into a parameter of another dtype (a dequantized layer) it is an error:
+        the fill has no dequantizer for these formats. With no target: any such tensor is an error."""
+        scheme = self.packed.get(name)
+        if scheme is None or (target is not None and target.dtype == self.dtypes.get(name)):
+            return
+        into = "" if target is None else f" into a {str(target.dtype).removeprefix('torch.')} parameter"
+        raise PlanError(
+            f"{name}: {scheme.description}; the fill copies these tensors as stored and cannot dequantize them"
+            f"{into}: fill a model whose parameters hold the packed tensors (vLLM's, load_format='reshard'), or "
+            "train from a dequantized checkpoint"
+        )
+
+    def check_trainable(self) -> None:
+        """The bundled trainer's layers compute in bf16/fp32: a shard of a packed 4-bit format is an error."""
+        for name in self.packed:
+            self.check_packed(name)
 
     def check_target(self, name: str, target: torch.Tensor, *, keep: bool = False) -> None:
-        """A quantized weight is dequantized into a bf16/fp32 parameter; keeping it FP8 is an error."""
+        """A quantized weight is dequantized into a bf16/fp32 parameter; keeping it FP8 is an error. A packed
+        4-bit tensor is copied as stored (`check_packed`)."""
+        self.check_packed(name, target)
         if name in self.weights and (keep or target.dtype in PACKED or not target.dtype.is_floating_point):
             raise PlanError(
                 f"{name}: --dtype keep: the shard holds it in FP8 with a block scale, and the trainer's layers "

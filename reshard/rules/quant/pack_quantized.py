@@ -30,7 +30,7 @@ from reshard.rules.quant.scheme import (
     Part,
     QuantScheme,
     Scheme,
-    register_compressed_tensors_format,
+    register_ct_format,
 )
 
 PACK_QUANTIZED = register_part_kinds(QuantScheme(
@@ -47,7 +47,7 @@ PACK_QUANTIZED = register_part_kinds(QuantScheme(
 _ACT_ORDER = ("group", "dynamic", True)  # g_idx stored; "weight"/"static" reorder at quantization time only
 
 
-@register_compressed_tensors_format("pack-quantized")
+@register_ct_format("pack-quantized")
 def _pack_quantized(qc: dict[str, Any]) -> Scheme:
     """Every config group: 4-bit int weights, strategy `group` or `channel`, activations unquantized or
     dynamic (no tensors)."""

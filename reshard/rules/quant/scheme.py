@@ -246,30 +246,43 @@ _CT_STRATEGIES = {"tensor": lambda w: (None, None), "channel": lambda w: (1, Non
 _CT_FORMATS: dict[str, MethodFactory] = {}
 
 
-def register_compressed_tensors_format(fmt: str) -> Callable[[MethodFactory], MethodFactory]:
-    """Bind a compressed-tensors `format` (`pack-quantized`) to a function `(quantization_config) -> Scheme`;
-    a checkpoint in a format no function claims is read as FP8 (`float-quantized`, `naive-quantized`)."""
+def register_ct_format(fmt: str) -> Callable[[MethodFactory], MethodFactory]:
+    """Bind a compressed-tensors `format` (`nvfp4-pack-quantized`, `pack-quantized`) to a function
+    `(quantization_config) -> Scheme`; twice is an error. Formats not bound here are read as FP8."""
     return registrar(_CT_FORMATS, (fmt,), lambda f: f"compressed-tensors format {f!r}")
+
+
+def _ct_format(qc: dict[str, Any], groups: dict[str, Any], where: str) -> str | None:
+    """The one packed format a compressed-tensors config names (top level or per group) that has its own
+    function; None when it names none (FP8 `float-quantized`, `naive-quantized`)."""
+    named = {qc.get("format")} | {(g or {}).get("format") for g in groups.values() if isinstance(g, dict)}
+    named.discard(None)
+    packed = sorted(f for f in named if f in _CT_FORMATS)
+    if packed and len(named - {"mixed-precision"}) > 1:
+        raise ManifestError(f"{where}: config groups use different formats {sorted(named)}; reshard reads one "
+                            "packed format per checkpoint; write a rules file with the kinds of each")
+    return packed[0] if packed else None
 
 
 @register_quant_method("compressed-tensors")
 def _compressed_tensors(qc: dict[str, Any]) -> Scheme:
     """compressed-tensors FP8 (`float-quantized`): per-tensor, per-channel ([out, 1]), block or group
-    `weight_scale`, optional `input_scale`. Every config group must use the same weight strategy. A
-    `format` registered with `register_compressed_tensors_format` is that function's."""
-    if qc.get("format") in _CT_FORMATS:
-        return _CT_FORMATS[qc["format"]](qc)
+    `weight_scale`, optional `input_scale`. Every config group must use the same weight strategy. A packed
+    format (`format` bound by `register_ct_format`) is its own function's."""
     where = "config.json quantization_config (compressed-tensors)"
     groups = qc.get("config_groups")
     if not isinstance(groups, dict) or not groups:
         raise ManifestError(f"{where}: no config_groups")
+    fmt = _ct_format(qc, groups, where)
+    if fmt is not None:
+        return _CT_FORMATS[fmt](qc)
     blocks = set()
     for gname, group in groups.items():
         w = (group or {}).get("weights") or {}
         if w.get("type") != "float" or w.get("num_bits") != 8:
             raise ManifestError(
                 f"{where}: group {gname!r} has {w.get('num_bits')}-bit {w.get('type')} weights; only 8-bit "
-                "float (FP8) is supported (packed int formats: see docs/quantization.md)"
+                f"float (FP8) is supported, or a packed `format` among {sorted(_CT_FORMATS)} (see docs/quantization.md)"
             )
         strategy = w.get("strategy")
         if strategy not in _CT_STRATEGIES:

@@ -196,7 +196,6 @@ def test_a_rules_file_says_the_same_explicitly(ckpts: Path, shards: Any, tmp_pat
 
 @pytest.mark.parametrize(("qc", "message"), [
     ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "quant_method 'bitsandbytes' is not supported"),
-    ({"quant_method": "mxfp4"}, "quant_method 'mxfp4' is not supported"),
     ({"quant_method": "compressed-tensors", "config_groups": {"g": {"weights": {"num_bits": 4, "type": "int",
       "strategy": "group", "group_size": 128}}}}, "group 'g' has 4-bit int weights; only 8-bit float"),
 ])
