@@ -73,4 +73,11 @@ def _vllm(manifest: Manifest, names: Sequence[str]) -> Manifest:
              for r in manifest.rules]
     shared = [r for r in _SHARED_EXPERTS if any(r.matches(n) for n in names)]  # (a rule matching nothing warns)
     packed = [r for r in VLLM_RULES if any(r.matches(n) for n in names)]  # before the rest: they replace its twins
+    rules = [r for r in rules if not _shadowed(r, packed)]
     return Manifest((*packed, *rules, *shared), manifest.strict, f"{manifest.source}, cut for vllm")
+
+
+def _shadowed(rule: Rule, first: Sequence[Rule]) -> bool:
+    """A quantized twin (`reshard.rules.quant.rules.FollowRule`) whose every weight a rule of `first` takes."""
+    weights = getattr(rule, "weights", None)
+    return bool(weights) and all(any(r.matches(w) for r in first) for w in weights)

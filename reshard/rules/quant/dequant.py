@@ -110,7 +110,7 @@ class Dequantizer:
 
     def check_trainable(self) -> None:
         """The bundled trainer's layers compute in bf16/fp32: a shard of a packed 4-bit format is an error."""
-        for name in self.packed:
+        for name in sorted(self.packed, key=lambda n: not n.endswith(self.packed[n].weight_suffix)):  # a weight first
             self.check_packed(name)
 
     def check_target(self, name: str, target: torch.Tensor, *, keep: bool = False) -> None:
