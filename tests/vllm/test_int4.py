@@ -19,11 +19,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from reshard.cli import main
 from reshard.errors import CheckpointError, ReshardError
 from tests.support.dist import run_distributed
 from tests.support.int4_ckpt import awq_qc, ct_qc, gptq_qc, quantize_checkpoint
+from tests.support.live import live_server
 from tests.support.vllm_ckpts import make_model
 from tests.support.vllm_models import loaded, loaded_by_reshard, rank_params
 
@@ -68,9 +70,20 @@ def test_every_parameter_equals_vllms_own_load_at_tp1(case: str, int4_dirs: Call
     want = loaded(int4_dirs(case), **ENGINE)  # vLLM's default loader on the full checkpoint
     got = loaded_by_reshard(int4_dirs(case, "meta"), ENGINE, shards=str(int4_dirs(case, 1)))
     assert list(got) == list(want)
-    assert [n for n in want if not (got[n] == want[n]).all()] == []
+    assert [n for n in want if not torch.equal(got[n], want[n])] == []
     packed = [n for n in want if n.endswith(("qweight", "weight_packed"))]
     assert len(packed) == 2 * 4  # per layer: qkv_proj, o_proj, gate_up_proj, down_proj
+
+
+@pytest.mark.servers
+def test_an_int4_model_loads_from_the_service(int4_dirs: Callable[..., Path], tmp_path: Path) -> None:
+    """The worker pulls its shard over HTTP (cut for vLLM by the service: engine=vllm)."""
+    root = tmp_path / "root"
+    shutil.copytree(int4_dirs("awq"), root / "awq")
+    want = loaded(int4_dirs("awq"), **ENGINE)
+    with live_server(root) as srv:
+        got = loaded_by_reshard(int4_dirs("awq", "meta"), ENGINE, url=srv.ckpt_url("awq"))
+    assert [n for n in want if not torch.equal(got[n], want[n])] == []
 
 
 @pytest.mark.multiproc
