@@ -11,7 +11,7 @@ Replicate), `dcp.save` of plain tensors under per-rank keys (each rank its own, 
 and `dcp.async_save` of the DTensors (the time until it returns, and until its future is done). Each rank
 writes `WORK/save-rank-R.json`; the last round's reshard and DTensor checkpoints stay for the resumes.
 
-`resume-*` (one process, tp=1): reshard's `build_model(relayout=True)` + `restore_training` on the tp=2
+`resume-*` (one process, tp=1): reshard's `build_model` (cutting as it reads) + `restore_training` on the tp=2
 checkpoint, or `dcp.load` into DTensors of the tp=1 layout on a 1-rank mesh. It writes to OUT.json
 the seconds, this process's RssAnon before and at its peak, and a sha256 of every loaded tensor (the
 two must agree).
@@ -203,8 +203,8 @@ def resume_reshard(work: Path) -> dict[str, Any]:
 
     def load() -> None:
         t0 = time.perf_counter()
-        state = training_state(src, tp=1)
-        model = build_model(src, dtype=torch.float32, relayout=True)
+        state = training_state(src)
+        model = build_model(src, dtype=torch.float32)  # a tp=2 checkpoint, cut to tp=1 as read
         got["build_s"] = time.perf_counter() - t0
         optimizer = make_optimizer(model, lr=1e-3)
         restore_training(state, src, model, optimizer)

@@ -12,7 +12,8 @@ Sources: the service settings class (`reshard.service.serve_settings.Settings`) 
 every `RESHARD_*` variable, docs/settings.md); the benchmark results in
 `bench/results/` (`quick.json`, `full.json` from `./run bench [--full]`, `stores.md`, `s3_write.md`,
 `checkpoint.md`, `trainer_support.json`); the plan tests' results `tests/rules/tp_plans/results/coverage.json` (rendered by
-`scripts/coverage_table.py`). Only the text between the markers is touched.
+`scripts/coverage_table.py`); the side-by-side run with transformers `tests/trainer/results/vs_transformers.json`
+(`scripts/vs_transformers.py`, rendered by `scripts/vs_transformers_table.py`). Only the text between the markers is touched.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ if __package__ in (None, "") and str(ROOT) not in sys.path:  # run as `python sc
     sys.path.insert(0, str(ROOT))
 
 from scripts._generated import write_or_check  # noqa: E402
+from scripts.vs_transformers_table import gen_vs_transformers  # noqa: E402
 
 BLOCK = re.compile(r"(<!-- generated: (?P<name>[a-z0-9-]+)[^>]*-->\n)(?P<body>.*?)(<!-- end generated -->)", re.S)
 
@@ -451,6 +453,7 @@ GENERATORS: dict[str, Callable[[], str]] = {
     "bench-vllm": gen_bench_vllm,
     "trainer-support": gen_trainer_support,
     "coverage": gen_coverage,
+    "vs-transformers": gen_vs_transformers,
 }
 
 

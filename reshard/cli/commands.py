@@ -97,14 +97,14 @@ def cmd_write(args: argparse.Namespace) -> int:
 
 def _begin_training_write(args: argparse.Namespace) -> dict[str, Any]:
     """The trainer state of the training checkpoint `args.checkpoint`, checked: it is re-laid out whole, at
-    a tp, into a local directory (what `--resume` reads), whose old `trainer_state.json` is removed first
-    (until the new one is written last, the directory is no checkpoint)."""
+    a tp or fsdp x tp, into a local directory (what `--resume` reads), whose old `trainer_state.json` is
+    removed first (until the new one is written last, the directory is no checkpoint)."""
     from reshard.trainer.state_json import STATE_NAME, read_state
 
     layout = layout_of(args)
-    if not layout.tp_only:
-        raise PlanError(f"{args.checkpoint} is a training checkpoint, which holds one replica's tp ranks: re-lay it "
-                        f"with --tp only (not {layout.describe()}); a resume at --dp D reads the same tp files")
+    if layout != Layout(fsdp=layout.fsdp, tp=layout.tp):
+        raise PlanError(f"{args.checkpoint} is a training checkpoint, which holds one replica's fsdp x tp ranks: re-lay "
+                        f"it with --tp and --fsdp only (not {layout.describe()}); a resume at --dp D reads the same files")
     if args.ranks or is_url(args.out) or args.engine:
         raise PlanError(f"{args.checkpoint} is a training checkpoint: `reshard write` re-lays it out whole into a "
                         "local directory; drop --ranks/--engine and give -o a directory")
@@ -128,10 +128,10 @@ def _write_training_rest(args: argparse.Namespace, moments: Path, record: dict[s
     orecord = write_shards(ockpt, oplan, out / OPTIMIZER_DIR, progress=args.progress)
     files = {**{k: f["sha256"] for k, f in record["files"].items()},
              **{f"{OPTIMIZER_DIR}/{k}": f["sha256"] for k, f in orecord["files"].items()}}
-    tp, step, seed = oplan.tp, int(state["step"]), int(state["extra"].get("seed", 0))
-    write_json_atomic(out / STATE_NAME, relaid_state(state, tp=tp, files=files,
-                                                     rng=[seeded_rng(reseed(seed, step, r)) for r in range(tp)]))
-    print(f"training checkpoint at step {step}: optimizer re-laid out too, {STATE_NAME} for tp={tp} "
+    layout, step, seed = oplan.layout, int(state["step"]), int(state["extra"].get("seed", 0))
+    write_json_atomic(out / STATE_NAME, relaid_state(state, layout=layout, files=files, rng=[
+        seeded_rng(reseed(seed, step, r)) for r in range(layout.world)]))
+    print(f"training checkpoint at step {step}: optimizer re-laid out too, {STATE_NAME} for {layout.describe()} "
           "(each rank's RNG reseeded from (seed, step, rank))")
     return sum(f["size"] for f in orecord["files"].values())
 

@@ -1,8 +1,9 @@
 """Train the bundled model with tensor and data parallelism: `torchrun --nproc-per-node 2 -m reshard.cli.train ...`.
 
 world = dp x fsdp x tp (`--dp`, `--fsdp`, tp innermost); gloo on CPU, NCCL when CUDA is present. Every
-rank builds its model on the meta device and fills it from its tp rank's shard (a directory or the
-service's URL), then at fsdp > 1 shards it with `fully_shard` (`reshard.trainer.fsdp`); the data is
+rank builds its model on the meta device (at fsdp > 1 sharded there with `fully_shard`,
+`reshard.trainer.fsdp`) and fills it from its rank file of fsdp x tp (a directory, or the service's
+URL; a source of another layout is cut as it is read); the data is
 byte-level tokens of a text file, sample i a pure function of (seed, i), the global batch split across
 the dp x fsdp data ranks (`reshard.trainer.loop`).
 """
@@ -26,7 +27,7 @@ from reshard.errors import ReshardError
 from reshard.settings import library_settings
 from reshard.trainer.build import build_model
 from reshard.trainer.cursor import local_share
-from reshard.trainer.fsdp import gathered, shard_model
+from reshard.trainer.fsdp import shard_layers
 from reshard.trainer.groups import DataTensorGroups, all_gather_json, make_groups
 from reshard.trainer.loop import LoopOptions, RunState, StepRecord, train_steps
 from reshard.trainer.peers import stop_peers_on_failure
@@ -108,9 +109,10 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     torch.manual_seed(args.seed)
     dtype = None if args.dtype == "keep" else getattr(torch, args.dtype)
     source = str(args.resume or args.shards)
-    saved = training_state(source, tp=groups.tp) if args.resume else None
-    model = build_model(source, device=device, dtype=dtype, group=groups.tp_group,
-                        **build_options(saved, groups.tp_rank, groups.tp))
+    saved = training_state(source) if args.resume else None
+    model = build_model(source, device=device, dtype=dtype, group=groups.tp_group, layout=groups.files,
+                        rank=groups.file_rank, shard=shard_layers(groups) if groups.fsdp > 1 else None,
+                        **build_options(saved, groups.file_rank, groups.files))
     t_loaded = time.time()
     tokens = load_tokens(args.data or default_data(), model.config.vocab_size)
     optimizer = make_optimizer(model, lr=args.lr)
@@ -120,19 +122,16 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
                                    say=rank == 0)
     state.samples, state.seed = int(extra.get("samples", 0)), int(extra.get("seed", args.seed))
     first_step, t_first = state.step + 1, []
-    clipper = shard_model(model, optimizer, groups=groups, clip=args.max_norm is not None) if groups.fsdp > 1 else None
     saving = args.save is not None and groups.dp_rank == 0  # the dp replicas hold the same state: the first saves it
 
     def checkpoint(out: Path, step: int, *, every: int = 0, keep: int = 0) -> None:
-        with gathered(model, optimizer) as (whole, opt):  # at fsdp > 1: gathered over the fsdp ranks
-            if groups.fsdp_rank:
-                return  # the first fsdp rank of each tp rank writes
-            kw: dict[str, Any] = {"model": whole, "optimizer": opt, "scheduler": scheduler, "group": groups.tp_group,
-                                  "extra": {"seed": state.seed, "samples": state.samples, "dp": groups.dp}}
-            if every:
-                every_n_steps(out, every=every, keep=keep, step=step, **kw)
-            else:
-                save_checkpoint(out, step=step, **kw)
+        kw: dict[str, Any] = {"model": model, "optimizer": optimizer, "scheduler": scheduler,
+                              "group": groups.shard_group,  # the fsdp x tp ranks of the first replica
+                              "extra": {"seed": state.seed, "samples": state.samples, "dp": groups.dp}}
+        if every:
+            every_n_steps(out, every=every, keep=keep, step=step, **kw)
+        else:
+            save_checkpoint(out, step=step, **kw)
 
     def on_step(rec: StepRecord) -> None:
         t_first.append(time.time())
@@ -144,8 +143,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             checkpoint(args.save, rec.step, every=args.save_every, keep=args.keep)
 
     records = train_steps(model, optimizer, scheduler, state, tokens, groups=groups, options=LoopOptions(
-        steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, max_norm=args.max_norm, on_step=on_step,
-        clipper=clipper))
+        steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, max_norm=args.max_norm, on_step=on_step))
     if saving:
         checkpoint(args.save, state.step)
     return _summary(args, model, groups, records, state, first_step=first_step, source=source,

@@ -30,7 +30,7 @@ import torch
 from reshard.errors import CheckpointError, HeaderError, IntegrityError, PlanError, ReshardError
 from reshard.fill.mapped_params import RankMap, bindable, map_rank_file
 from reshard.format.checkpoint import MAX_HEADER_BYTES, parse_header
-from reshard.format.rank_file import decode_metadata
+from reshard.format.rank_file import RankPlace, decode_metadata
 from reshard.format.torch_side import TORCH_DTYPES
 from reshard.io import verified
 from reshard.io.client.body import FileBody, RankBytes
@@ -53,6 +53,7 @@ class RankHeader:
         except (CheckpointError, PlanError) as e:
             raise HeaderError(str(e)) from None
         self.tp, self.rank = meta.tp, meta.rank
+        self.place = RankPlace(meta.tp, meta.rank, meta.layout, meta.coords)  # as a file of the same rank records it
         self.tensors: dict[str, dict[str, Any]] = meta.tensors
 
     def check(self, rank: int, layout: Layout, *, fix: str) -> None:

@@ -2,7 +2,8 @@
 
 `open_rank_stream` is how `fill_model` and the trainer reach their bytes; a URL is pulled from the
 service (only this rank's shard), a directory's rank file is read; both straight into the caller's
-buffers (`reshard.io.client.body`).
+buffers (`reshard.io.client.body`). `open_cut_stream` also takes a directory of another layout (or an
+HF checkpoint) and cuts the rank's bytes from it as they are read (`open_relaid_stream`).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 
 from reshard.errors import CheckpointError
 from reshard.format.checkpoint import CONFIG_NAME, MANIFEST_NAME
-from reshard.format.rank_file import parse_rank_file_name, rank_file_name
+from reshard.format.rank_file import decode_metadata, parse_rank_file_name, rank_file_name
 from reshard.io.client.body import ShardBody, file_body, get_json
 from reshard.io.client.shard_prefetch import take as take_prefetched
 from reshard.io.client.wire import checkpoint_url
@@ -84,6 +85,33 @@ def open_relaid_stream(
     config = json.loads((root / CONFIG_NAME).read_text()) if (root / CONFIG_NAME).is_file() \
         else _no_config(f"{root}: no config.json beside the rank files", need_config)
     return config, _closing(RankStream(plan.ranks[0])), f"{root} (rank {rank} of {layout.describe()}, cut as read)"
+
+
+def open_cut_stream(
+    source: str | Path, rank: int, layout: Layout | int, *, token: str | None = None, need_config: bool = True,
+) -> tuple[dict[str, Any] | None, Iterator[Any], str | None, str]:
+    """As `open_rank_stream` (config, chunks, expected sha256 or None, a name) when `source` is a URL (the
+    service cuts any layout) or a directory holding `layout`'s rank files; else rank `rank`'s bytes cut on
+    the fly from what the directory holds (rank files of another layout, an HF checkpoint)."""
+    layout = layout if isinstance(layout, Layout) else Layout(tp=layout)
+    if is_url(source) or Path(source).is_file() or holds_layout(Path(source), layout):
+        return open_rank_stream(source, rank, layout, token=token, need_config=need_config)
+    config, chunks, name = open_relaid_stream(source, rank, layout, token=token, need_config=need_config)
+    return config, chunks, None, name
+
+
+def holds_layout(directory: Path, layout: Layout) -> bool:
+    """Whether `directory` holds the rank files of `layout` (its first file says so in its metadata)."""
+    from safetensors import safe_open
+
+    from reshard.layout.placement import describe_layout
+
+    first = directory / rank_file_name(0, layout.world)
+    if not first.is_file():
+        return False
+    with safe_open(first, "pt") as f:
+        meta = f.metadata() or {}
+    return describe_layout(decode_metadata(meta, str(first)), str(first)) == layout
 
 
 def _closing(stream: Any) -> Iterator[memoryview]:

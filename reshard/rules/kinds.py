@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from reshard.errors import PlanError, RegistryError
+from reshard.format.rank_file import parse_optimizer_tensor_name
 from reshard.format.selection import Interval, Selection, full_selection, selection_shape
 from reshard.registry import registrar
 
@@ -225,8 +226,10 @@ def _check_selection(name: str, shape: tuple[int, ...], sel: Selection) -> None:
 
 
 def tensor_selection(name: str, shape: tuple[int, ...], rule: Rule, rank: int, tp: int) -> Selection:
-    """The selection `rule` gives rank `rank` of `tp` for tensor `name`; errors name the tensor."""
-    suffix = "." + name.rsplit(".", 1)[-1] if "." in name else ""
+    """The selection `rule` gives rank `rank` of `tp` for tensor `name`; errors name the tensor. An optimizer
+    moment (`NAME.exp_avg`) is cut as its parameter `NAME` is: a row rule's bias moment is replicated too."""
+    param = (parse_optimizer_tensor_name(name) or (name, ""))[0]
+    suffix = "." + param.rsplit(".", 1)[-1] if "." in param else ""
     try:
         sel = loader_for(rule, suffix).select(shape, rank, tp)
     except PlanError as e:

@@ -9,10 +9,9 @@ TP group, are the squared norm of the unsharded model's gradient: at tp=1 it is
 `torch.nn.utils.clip_grad_norm_`'s norm. The weights come from the selections of every TP rank,
 exchanged once (as JSON) when the clipper is made.
 
-Under FSDP (`reshard.trainer.fsdp`) each parameter is a DTensor sharded on dim 0 over the fsdp ranks:
-`ShardedGradNorm` takes the per-element weights of the whole local tensor (`param_weights`, computed
-before sharding) cut like the parameter, and sums over the fsdp ranks too, so each element of the
-unsharded model still counts once.
+Under FSDP (`reshard.trainer.fsdp`) each parameter is a DTensor sharded on dim 0 over the fsdp ranks,
+and a rank's file describes its local parts: the same weights, from the selections of every fsdp x tp
+rank of one replica, summed over all of them, count each element of the unsharded model once.
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ from torch.distributed import ProcessGroup
 
 from reshard.tp.comm import tp_world_size
 from reshard.trainer.groups import all_gather_json
-from reshard.trainer.names import shard_targets
+from reshard.trainer.names import local, shard_targets
 
 Select = list[list[list[int]]]
 
@@ -77,27 +76,30 @@ def element_weights(own: Select, shape: list[int], selects: list[Select]) -> flo
 
 
 def _owner(params: list[nn.Parameter], starts: list[int], view: torch.Tensor) -> nn.Parameter | None:
-    """The parameter whose memory `view` lies in (by address: mapped parameters may share a storage);
-    `params` sorted by address, `starts` their addresses."""
+    """The parameter whose memory (local part) `view` lies in (by address: mapped parameters may share a
+    storage); `params` sorted by address, `starts` their addresses."""
     i = bisect.bisect_right(starts, view.data_ptr()) - 1
     if i < 0:
         return None
-    p = params[i]
-    return p if view.data_ptr() < p.data_ptr() + p.numel() * p.element_size() else None
+    p = local(params[i])
+    return params[i] if view.data_ptr() < p.data_ptr() + p.numel() * p.element_size() else None
 
 
 class GlobalGradNorm:
-    """The unsharded model's gradient norm, from this rank's parameters (`norm`), and clipping by it."""
+    """The unsharded model's gradient norm, from this rank's parameters (`norm`), and clipping by it.
+
+    `group` holds the ranks of one copy of the model: the tp group, or the fsdp x tp ranks of one replica
+    (`DataTensorGroups.shard_group`), whose files' selections say who holds what."""
 
     def __init__(self, model: nn.Module, *, group: ProcessGroup | None = None) -> None:
         header = model.rank_header
         specs = header.model_tensors()
-        self.group, self.tp = group, tp_world_size(group)
-        device = next(model.parameters()).device
+        self.group, self.size = group, tp_world_size(group)
+        device = local(next(model.parameters())).device
         selects = all_gather_json({n: s["select"] for n, s in specs.items()}, group, device=device)
         self.params = list(model.parameters())
-        by_address = sorted((p for p in self.params if p.numel()), key=lambda p: p.data_ptr())
-        starts = [p.data_ptr() for p in by_address]
+        by_address = sorted((p for p in self.params if local(p).numel()), key=lambda p: local(p).data_ptr())
+        starts = [local(p).data_ptr() for p in by_address]
         self.pieces: list[_Piece] = []
         seen: set[tuple[int, int, tuple[int, ...]]] = set()
         for name, view in shard_targets(model, specs).items():
@@ -107,22 +109,22 @@ class GlobalGradNorm:
                 continue  # a buffer, or a tied parameter already counted
             seen.add(key)
             w = element_weights(specs[name]["select"], specs[name]["shape"], [s[name] for s in selects])
-            offset = (view.data_ptr() - p.data_ptr()) // p.element_size()
+            offset = (view.data_ptr() - local(p).data_ptr()) // p.element_size()
             self.pieces.append(_Piece(p, tuple(view.shape), tuple(view.stride()), offset, w))
 
     def norm(self) -> torch.Tensor:
-        """The global L2 norm of the current gradients (float32), the same on every TP rank."""
-        total = torch.zeros((), dtype=torch.float32, device=self.params[0].device)
+        """The global L2 norm of the current gradients (float32), the same on every rank of the group."""
+        total = torch.zeros((), dtype=torch.float32, device=local(self.params[0]).device)
         for piece in self.pieces:
-            g = piece.param.grad
-            if g is None:
+            if piece.param.grad is None:
                 continue
-            if g.stride() != piece.param.stride():
-                g = torch.empty_strided(g.size(), piece.param.stride(), dtype=g.dtype, device=g.device).copy_(g)
+            g, lp = local(piece.param.grad), local(piece.param)
+            if g.stride() != lp.stride():
+                g = torch.empty_strided(g.size(), lp.stride(), dtype=g.dtype, device=g.device).copy_(g)
             part = g.as_strided(piece.size, piece.stride, g.storage_offset() + piece.offset).float().pow(2)
             w = piece.weight
             total += part.sum() * w if isinstance(w, float) else (part * w.to(part.device)).sum()
-        if self.tp > 1:
+        if self.size > 1:
             dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.group)
         return total.sqrt()
 
@@ -132,56 +134,8 @@ class GlobalGradNorm:
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for p in self.params:
             if p.grad is not None:
-                p.grad.mul_(coef.to(p.grad.dtype))
-        return total
-
-    def param_weights(self) -> dict[int, float | torch.Tensor]:
-        """id(parameter) -> the weight of each of its elements (a float when all share one, else a tensor
-        of the parameter's shape): what `ShardedGradNorm` cuts like the sharded parameter."""
-        out: dict[int, float | torch.Tensor] = {}
-        for p in self.params:
-            mine = [c for c in self.pieces if c.param is p]
-            ws = {c.weight for c in mine if isinstance(c.weight, float)}
-            if len(ws) == 1 and len(mine) == sum(1 for c in mine if isinstance(c.weight, float)) and \
-                    sum(torch.Size(c.size).numel() for c in mine) == p.numel():
-                out[id(p)] = ws.pop()
-                continue
-            dense = torch.zeros(p.shape, dtype=torch.float32)
-            for c in mine:
-                dense.as_strided(c.size, c.stride, c.offset).copy_(torch.as_tensor(c.weight).expand(c.size))
-            out[id(p)] = dense
-        return out
-
-
-class ShardedGradNorm:
-    """The unsharded model's gradient norm for FSDP-sharded (DTensor) parameters, and clipping by it:
-    `weights` pairs each parameter with its elements' weights (a float, or a tensor cut like the
-    parameter's local shard); the squared sums are all-reduced over each of `groups` (fsdp, then tp)."""
-
-    def __init__(self, weights: list[tuple[nn.Parameter, float | torch.Tensor]], *,
-                 groups: list[ProcessGroup | None]) -> None:
-        self.weights, self.groups = weights, groups
-
-    def norm(self) -> torch.Tensor:
-        """The global L2 norm of the current gradients (float32), the same on every rank of the groups."""
-        total = torch.zeros((), dtype=torch.float32, device=self.weights[0][0].device)
-        for p, w in self.weights:
-            if p.grad is None:
-                continue
-            part = p.grad.to_local().float().pow(2)
-            total += part.sum() * w if isinstance(w, float) else (part * w.to(part.device)).sum()
-        for group in self.groups:
-            dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
-        return total.sqrt()
-
-    def clip(self, max_norm: float) -> torch.Tensor:
-        """As `GlobalGradNorm.clip`, on each rank's shards of the gradients; the norm."""
-        total = self.norm()
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for p, _ in self.weights:
-            if p.grad is not None:
-                p.grad.to_local().mul_(coef.to(p.grad.dtype))
+                local(p.grad).mul_(coef.to(p.grad.dtype))
         return total
 
 
-__all__ = ["GlobalGradNorm", "ShardedGradNorm", "element_weights"]
+__all__ = ["GlobalGradNorm", "element_weights"]

@@ -24,6 +24,7 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from reshard.errors import ReshardError
+from reshard.layout.mesh import Layout
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,17 @@ class DataTensorGroups:
     fsdp_rank: int = 0
     data_group: ProcessGroup | None = None  # the dp x fsdp ranks of this tp rank (the loss's mean)
     fsdp_mesh: DeviceMesh | None = None  # (fsdp,) or (dp, fsdp) of this tp rank: what fully_shard shards over
+    shard_group: ProcessGroup | None = None  # the fsdp x tp ranks of this replica: one copy of the model
+
+    @property
+    def files(self) -> Layout:
+        """The layout of the rank files this rank fills from and saves (fsdp x tp: dp replicas share them)."""
+        return Layout(fsdp=self.fsdp, tp=self.tp)
+
+    @property
+    def file_rank(self) -> int:
+        """This rank's rank in `files`."""
+        return self.fsdp_rank * self.tp + self.tp_rank
 
     @property
     def layout(self) -> dict[str, int]:
@@ -83,8 +95,16 @@ def make_groups(dp: int, *, world: int, rank: int, fsdp: int = 1, device_type: s
         full = init_device_mesh(device_type, (dp, fsdp, tp), mesh_dim_names=("dp", "fsdp", "tp"))
         mesh = full["fsdp"] if dp == 1 else full["dp", "fsdp"]
     dp_group = data_group if fsdp == 1 else None  # at fsdp > 1, fully_shard averages over dp (HSDP)
+    shard_group = tp_group
+    if fsdp > 1 and dp > 1:
+        copy = fsdp * tp
+        for d in range(dp):
+            g = dist.new_group(list(range(d * copy, (d + 1) * copy)))
+            shard_group = g if d == rank // copy else shard_group
+    elif fsdp > 1:
+        shard_group = None  # the world
     return DataTensorGroups(dp, tp, rank // tp // fsdp, rank % tp, dp_group, tp_group, fsdp=fsdp,
-                            fsdp_rank=rank // tp % fsdp, data_group=data_group, fsdp_mesh=mesh)
+                            fsdp_rank=rank // tp % fsdp, data_group=data_group, fsdp_mesh=mesh, shard_group=shard_group)
 
 
 def average_gradients(params: list[torch.nn.Parameter], group: ProcessGroup | None, size: int) -> None:

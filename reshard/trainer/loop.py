@@ -9,8 +9,8 @@ needs to continue the run. One step:
 
 The loss reported is the global batch's mean (each replica's mean, averaged over the replicas: the
 replicas' shares have the same number of tokens). At fsdp > 1 the D = dp x fsdp data ranks share the
-batch, `fully_shard` reduce-scatters (and averages) the gradients itself, and the clipper is the one
-`reshard.trainer.fsdp.shard_model` made (`LoopOptions.clipper`).
+batch, `fully_shard` reduce-scatters (and averages) the gradients itself, and the clipper sums over the
+fsdp x tp ranks of one replica (`DataTensorGroups.shard_group`).
 """
 
 from __future__ import annotations
@@ -22,10 +22,11 @@ import torch
 from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 
-from reshard.trainer.clip import GlobalGradNorm, ShardedGradNorm
+from reshard.trainer.clip import GlobalGradNorm
 from reshard.trainer.cursor import local_share, sample_windows
 from reshard.trainer.groups import DataTensorGroups, average_gradients, mean_over
 from reshard.trainer.loss import causal_lm_loss
+from reshard.trainer.names import local
 
 
 @dataclass
@@ -56,7 +57,6 @@ class LoopOptions:
     seq_len: int
     max_norm: float | None = None
     on_step: Callable[[StepRecord], None] | None = field(default=None, compare=False)
-    clipper: ShardedGradNorm | None = field(default=None, compare=False)  # an FSDP model's (made before sharding)
 
 
 def train_steps(
@@ -64,9 +64,9 @@ def train_steps(
     tokens: torch.Tensor, *, groups: DataTensorGroups, options: LoopOptions,
 ) -> list[StepRecord]:
     """Run from `state.step` to `options.steps`, advancing `state`; one record per step taken."""
-    device = next(model.parameters()).device
+    device = local(next(model.parameters())).device
     offset, count = local_share(options.batch_size, groups.replicas, groups.data_rank)
-    clipper = (options.clipper or GlobalGradNorm(model, group=groups.tp_group)) if options.max_norm is not None else None
+    clipper = GlobalGradNorm(model, group=groups.shard_group) if options.max_norm is not None else None
     params = [p for p in model.parameters() if p.requires_grad]
     records = []
     while state.step < options.steps:

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from reshard.errors import PlanError
 from reshard.fill.experts import expert_views, partly_covered, shard_layout, uncovered
@@ -21,13 +22,21 @@ from reshard.format.selection import selection_shape
 Spec = dict[str, Any]
 
 
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of `t`: the local tensor of a DTensor (an FSDP-sharded parameter), else `t`."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def shard_targets(model: nn.Module, specs: dict[str, Spec]) -> dict[str, torch.Tensor]:
     """Shard tensor name -> the model tensor (or fused-parameter view) it fills and is saved from.
 
-    Every parameter and persistent buffer of the model must be covered exactly by the shard.
+    Every parameter and persistent buffer of the model must be covered exactly by the shard. Under FSDP
+    (DTensor parameters) the targets are views of this rank's local parts, and `specs` those of its file.
     """
     layout = shard_layout(model, list(specs))
-    own = {**dict(model.named_parameters()), **model.state_dict(keep_vars=True)}
+    parts: dict[int, torch.Tensor] = {}  # one local part per tensor: a tied pair stays one tensor
+    own = {n: parts.setdefault(id(t), local(t))
+           for n, t in {**dict(model.named_parameters()), **model.state_dict(keep_vars=True)}.items()}
     targets = {n: own[m] for n, m in layout.renamed.items() if m in own}
     shapes = {n: selection_shape(specs[n]["select"]) for n in layout.pieces}
     views = expert_views(own, layout.pieces, shapes)
@@ -42,4 +51,4 @@ def shard_targets(model: nn.Module, specs: dict[str, Spec]) -> dict[str, torch.T
     return targets
 
 
-__all__ = ["shard_targets"]
+__all__ = ["local", "shard_targets"]

@@ -1,17 +1,18 @@
 """Resume from a training checkpoint (`reshard.trainer.snapshot`): the optimizer's moments and step, the
 LR scheduler, the generators and the loop's own state, for the model `build_model` filled from it.
 
-At the layout the checkpoint was saved at the continuation is exact: every tensor is read back bit for
-bit, each rank's default generator gets its own saved state, the global generators (the data order)
-theirs. At another tp every rank reads its slices of the parameters and moments cut as they are read
-(`reshard.fill.open.open_relaid_stream`: the bytes `reshard write CKPT --tp Q` would write), the global
-generators are restored and each rank's default generator is reseeded from (seed, step, rank). A directory without `trainer_state.json` (an HF checkpoint, plain rank shards) holds weights
-only: the run starts with a fresh optimizer at step 0.
+At the layout the checkpoint was saved at (tp, or fsdp x tp) the continuation is exact: every tensor is
+read back bit for bit, each rank's default generator gets its own saved state, the global generators
+(the data order) theirs. At another layout every rank reads its slices of the parameters and moments
+cut as they are read (`reshard.fill.open.open_cut_stream`: the bytes `reshard write CKPT --tp Q ...`
+would write), the global generators are restored and each rank's default generator is reseeded from
+(seed, step, rank). A directory without `trainer_state.json` (an HF checkpoint, plain rank shards)
+holds weights only: the run starts with a fresh optimizer at step 0.
 
 `source` may be the service's URL of a checkpoint directory (`reshard serve --root ROOT`, ROOT/NAME the
 checkpoint): `trainer_state.json` comes from its small files (`GET .../NAME/meta/trainer_state.json`,
 checked against the listed sha256), the parameters from `.../NAME/shards/R`, the moments from
-`.../NAME/optimizer/shards/R`, each rank pulling only its own share, cut by the service at any tp; at
+`.../NAME/optimizer/shards/R`, each rank pulling only its own share, cut by the service at any layout; at
 the saved layout each is checked against the sha256 the checkpoint recorded, at another against the
 service's digest.
 """
@@ -29,18 +30,18 @@ from torch import nn
 
 from reshard.errors import CheckpointError
 from reshard.fill.into_params import fill_parameters, read_header_from
-from reshard.fill.open import open_rank_stream, open_relaid_stream
+from reshard.fill.open import open_cut_stream
 from reshard.format.rank_file import OPTIMIZER_DIR, OPTIMIZER_SLOTS, optimizer_tensor_name, rank_file_name
-from reshard.io.client.body import file_body
 from reshard.io.source.stores import is_url
 from reshard.layout.mesh import Layout
 from reshard.trainer.snapshot import moment_targets
-from reshard.trainer.state_json import STATE_NAME, check_state, decode_rng, read_state
+from reshard.trainer.state_json import STATE_NAME, check_state, decode_rng, model_fingerprint, read_state
 
-__all__ = ["build_options", "reseed", "restore_training", "same_layout", "start_step", "training_state", "weights_sha256"]
+__all__ = ["build_options", "reseed", "restore_training", "same_layout", "saved_layout", "start_step", "training_state",
+           "weights_sha256"]
 
 
-def training_state(source: str | Path, *, tp: int) -> dict[str, Any] | None:
+def training_state(source: str | Path) -> dict[str, Any] | None:
     """The checked trainer state of checkpoint `source` (its files all present; a URL: as the service
     lists it, sha256 checked); None for weights only."""
     if is_url(source):
@@ -65,23 +66,27 @@ def _served_state(url: str) -> dict[str, Any] | None:
     return check_state(state, where)
 
 
-def same_layout(state: Mapping[str, Any], tp: int) -> bool:
-    """Whether the checkpoint was saved at tp=`tp` (then it is read file by file, verified and exact)."""
-    return state["layout"]["tp"] == tp
+def saved_layout(state: Mapping[str, Any]) -> Layout:
+    """The layout the checkpoint's rank files are of."""
+    return Layout.from_obj(state["layout"], where="trainer state `layout`")
 
 
-def weights_sha256(state: Mapping[str, Any], rank: int, tp: int) -> str | None:
+def same_layout(state: Mapping[str, Any], layout: Layout) -> bool:
+    """Whether the checkpoint was saved at `layout` (then it is read file by file, verified and exact)."""
+    return saved_layout(state) == layout
+
+
+def weights_sha256(state: Mapping[str, Any], rank: int, layout: Layout) -> str | None:
     """The recorded sha256 of this rank's parameter file; None at another layout (its slices are cut
     from several files as they are read)."""
-    return state["files"][rank_file_name(rank, tp)] if same_layout(state, tp) else None
+    return state["files"][rank_file_name(rank, layout.world)] if same_layout(state, layout) else None
 
 
-def build_options(state: Mapping[str, Any] | None, rank: int, tp: int) -> dict[str, Any]:
-    """The keywords of `build_model` for a run at `tp` from a checkpoint with trainer `state` (None: weights
-    only): the parameter file's sha256 at the same layout, else `relayout`."""
-    if state is None:
-        return {}
-    return {"sha256": weights_sha256(state, rank, tp)} if same_layout(state, tp) else {"relayout": True}
+def build_options(state: Mapping[str, Any] | None, rank: int, layout: Layout) -> dict[str, Any]:
+    """The keywords of `build_model` for rank `rank` of `layout` from a checkpoint with trainer `state`
+    (None: weights only): the parameter file's sha256 at the same layout (at another it is cut as read)."""
+    sha = weights_sha256(state, rank, layout) if state is not None else None
+    return {"sha256": sha} if sha else {}
 
 
 def reseed(seed: int, step: int, rank: int) -> int:
@@ -95,17 +100,21 @@ def restore_training(
     scheduler: Any | None = None, generators: Mapping[str, torch.Generator] | None = None, seed: int = 0,
 ) -> dict[str, Any]:
     """Fill `optimizer` (AdamW) from the checkpoint's moments of this rank, verified against their
-    recorded sha256 (at another tp: cut from the saved files as read), and restore the scheduler, the
-    generators and this rank's RNG (at another tp: reseeded from `seed`, the step and the rank); returns
+    recorded sha256 (at another layout: cut from the saved files as read), and restore the scheduler, the
+    generators and this rank's RNG (at another layout: reseeded from `seed`, the step and the rank); returns
     `{"step": N, "extra": {...}}` (the run continues at step N + 1)."""
     header = model.rank_header
-    rank, tp = header.rank, header.tp
-    step, same = int(state["optimizer"]["step"]), same_layout(state, tp)
+    rank, layout = header.rank, header.layout
+    if state.get("model") not in (None, model_fingerprint(getattr(model, "hf_config", None), header.tensors)):
+        raise CheckpointError(f"{source}: its rank files or config.json are of another model than the one its "
+                              f"{STATE_NAME} was saved with (names, shapes or config differ); resume from a "
+                              "checkpoint as the trainer saved it")
+    step, same = int(state["optimizer"]["step"]), same_layout(state, layout)
     for p in model.parameters():
         optimizer.state[p]["step"] = torch.tensor(float(step), dtype=_scalar_dtype())
     targets = {optimizer_tensor_name(n, slot): t for slot in OPTIMIZER_SLOTS
                for n, t in moment_targets(model, optimizer, slot).items()}
-    _fill_moments(state, source, rank, tp, targets)
+    _fill_moments(state, source, rank, layout, targets)
     if scheduler is not None:
         if state["scheduler"] is None:
             raise CheckpointError(f"{source}: the checkpoint has no LR scheduler state, this run has one; resume "
@@ -128,24 +137,21 @@ def restore_training(
     return {"step": step, "extra": dict(state["extra"])}
 
 
-def _fill_moments(state: Mapping[str, Any], source: str | Path, rank: int, tp: int,
+def _fill_moments(state: Mapping[str, Any], source: str | Path, rank: int, layout: Layout,
                   targets: dict[str, torch.Tensor]) -> None:
     """This rank's moments into `targets`: its file verified against the recorded sha256 at the same
     layout, its slices cut from the saved files at another (by the service, for a URL)."""
     moments_at = f"{str(source).rstrip('/')}/{OPTIMIZER_DIR}" if is_url(source) else Path(source) / OPTIMIZER_DIR
-    if not same_layout(state, tp):
-        _, chunks, where = open_relaid_stream(moments_at, rank, tp, need_config=False)
-        moments, leftover = read_header_from(chunks, where)
-        fill_parameters(moments, chunks, targets, leftover=leftover)
-        return
-    name = f"{OPTIMIZER_DIR}/{rank_file_name(rank, tp)}"
-    if is_url(source):
-        _, body, _, where = open_rank_stream(moments_at, rank, tp, need_config=False)
-    else:
-        body, where = file_body(Path(source) / name), str(Path(source) / name)
-    moments, leftover = read_header_from(body, where)
-    moments.check(rank, Layout(tp=tp), fix=f"resume with the checkpoint's {tp} ranks")
-    fill_parameters(moments, body, targets, sha256=state["files"][name], leftover=leftover, verify="always")
+    _, body, _, where = open_cut_stream(moments_at, rank, layout, need_config=False)
+    try:
+        moments, leftover = read_header_from(body, where)
+        moments.check(rank, layout, fix=f"resume with the checkpoint's {saved_layout(state).describe()}")
+        sha = state["files"][f"{OPTIMIZER_DIR}/{rank_file_name(rank, layout.world)}"] if same_layout(state, layout) \
+            else None
+        fill_parameters(moments, body, targets, sha256=sha, leftover=leftover, verify="always" if sha else "auto")
+    finally:
+        if hasattr(body, "close"):
+            body.close()
 
 
 def start_step(
@@ -159,8 +165,8 @@ def start_step(
     got = restore_training(state, source, model, optimizer, scheduler=scheduler, generators=generators, seed=seed) \
         if state is not None and source is not None else {"step": 0, "extra": {}}
     if say and source is not None:
-        saved = f" (saved at tp={state['layout']['tp']}, cut to tp={model.rank_header.tp} as read)" \
-            if state is not None and not same_layout(state, model.rank_header.tp) else ""
+        saved = f" (saved at {saved_layout(state).describe()}, cut to {model.rank_header.layout.describe()} as read)" \
+            if state is not None and not same_layout(state, model.rank_header.layout) else ""
         print(f"resumed from {source} at step {got['step']}{saved}" if state is not None else
               f"{source}: weights only (no {STATE_NAME}): starting with a fresh optimizer at step 0", flush=True)
     return got["step"], got["extra"]

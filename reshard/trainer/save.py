@@ -33,8 +33,8 @@ def save_rank_shard(model: nn.Module, out_dir: str | Path, *, config: dict | Non
     """
     header: RankHeader = model.rank_header
     tensors = {name: t.detach() for name, t in shard_targets(model, header.tensors).items()}
-    path = prepare_dir(out_dir) / rank_file_name(header.rank, header.tp)
-    write_rank_file(path, RankPlace(header.tp, header.rank), header.tensors, tensors)
+    path = prepare_dir(out_dir) / rank_file_name(header.rank, header.layout.world)
+    write_rank_file(path, header.place, header.tensors, tensors)
     out = path.parent
     if header.rank == 0:
         with output_errors(out, retry=RETRY):

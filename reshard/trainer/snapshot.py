@@ -2,13 +2,15 @@
 
 A checkpoint directory holds
 
-    rank-RRRRR-of-TTTTT.safetensors             the parameters, as `save_rank_shard` writes them
-    optimizer/rank-RRRRR-of-TTTTT.safetensors   AdamW's exp_avg and exp_avg_sq, named and described by
+    rank-RRRRR-of-WWWWW.safetensors             the parameters, as `save_rank_shard` writes them
+    optimizer/rank-RRRRR-of-WWWWW.safetensors   AdamW's exp_avg and exp_avg_sq, named and described by
                                                 `reshard.format.rank_file` (each cut like its parameter)
     config.json, optimizer/config.json          the model's config
     trainer_state.json                          the rest, as JSON (`reshard.trainer.state_json`)
 
-Each rank writes only its own share. Everything goes into a temp directory beside the target
+The rank files are of the layout the run holds its tensors in: tp, or fsdp x tp (each rank's local
+parts of its FSDP-sharded parameters and moments: the files `reshard write --fsdp F --tp T` makes).
+Each rank writes only its own share; nothing is gathered. Everything goes into a temp directory beside the target
 (`.NAME.partial-TOKEN`); rank 0 writes `trainer_state.json` last, with every file's sha256, then
 publishes the directory with one rename. A crash mid-save leaves the previous checkpoint as it was and
 no directory under the checkpoint's name. (Ranks whose `--save` is a directory of their own, on a disk
@@ -35,15 +37,14 @@ from reshard.format.checkpoint import CONFIG_NAME
 from reshard.format.rank_file import (
     OPTIMIZER_DIR,
     OPTIMIZER_SLOTS,
-    RankPlace,
     optimizer_tensor_name,
     rank_file_name,
 )
 from reshard.io.outfs import fsync_dir, output_errors, prepare_dir, write_json_atomic
 from reshard.trainer.groups import all_gather_json
-from reshard.trainer.names import shard_targets
+from reshard.trainer.names import local, shard_targets
 from reshard.trainer.save import RETRY, write_rank_file
-from reshard.trainer.state_json import STATE_NAME, encode_state, rng_snapshot
+from reshard.trainer.state_json import STATE_NAME, encode_state, model_fingerprint, rng_snapshot
 
 __all__ = ["every_n_steps", "moment_targets", "prune_checkpoints", "save_checkpoint", "step_dir"]
 
@@ -58,8 +59,9 @@ def step_dir(root: Path, step: int) -> Path:
 
 def moment_targets(model: nn.Module, optimizer: torch.optim.Optimizer, slot: str) -> dict[str, torch.Tensor]:
     """Shard tensor name -> the view of the optimizer's `slot` tensor that mirrors the parameter view the
-    name fills (a moment has its parameter's shape and strides). A parameter without state gets zeros."""
-    params = {p.untyped_storage().data_ptr(): p for p in model.parameters()}
+    name fills (a moment has its parameter's shape and strides; under FSDP, its local part the parameter's).
+    A parameter without state gets zeros."""
+    params = {local(p).untyped_storage().data_ptr(): p for p in model.parameters()}
     out = {}
     for name, view in shard_targets(model, model.rank_header.tensors).items():
         p = params.get(view.untyped_storage().data_ptr())
@@ -68,8 +70,8 @@ def moment_targets(model: nn.Module, optimizer: torch.optim.Optimizer, slot: str
         state = optimizer.state[p]
         if slot not in state:
             state[slot] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        m = state[slot]
-        out[name] = m.as_strided(view.shape, view.stride(), m.storage_offset() + view.storage_offset() - p.storage_offset())
+        m, lp = local(state[slot]), local(p)  # under FSDP: this rank's parts of both
+        out[name] = m.as_strided(view.shape, view.stride(), m.storage_offset() + view.storage_offset() - lp.storage_offset())
     return out
 
 
@@ -95,14 +97,16 @@ def save_checkpoint(
     extra: Mapping[str, Any] | None = None, group: ProcessGroup | None = None,
 ) -> Path:
     """Write the training state at `step` to `out_dir` as one atomic checkpoint (the module docstring);
-    a collective: every rank of `group` calls it. `generators` are global (the same on every rank),
+    a collective: every rank of `group` (the ranks of one copy of the model) calls it. `generators` are global (the same on every rank),
     `extra` is the loop's own JSON state. An existing checkpoint at `out_dir` is replaced."""
     rank, world = _world(group)
     final = Path(out_dir)
     device = next(model.parameters()).device  # where the gathers' tensors live (CUDA under NCCL)
     tmp = final.parent / f".{final.name}.partial-{_gather(time.time_ns(), group, device)[0]}"  # rank 0's token
     header = model.rank_header
-    place, fname = RankPlace(header.tp, header.rank), rank_file_name(header.rank, header.tp)
+    if world != header.layout.world:
+        raise ValueError(f"save_checkpoint: a group of {world} ranks saves files of {header.layout.describe()}")
+    place, fname = header.place, rank_file_name(header.rank, header.layout.world)
     try:
         with output_errors(final, retry=RETRY):
             prepare_dir(final.parent)
@@ -119,10 +123,11 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     gathered = _gather({"files": files, "rng": rng_snapshot()}, group, device)
-    state = encode_state(step=step, tp=world, files={k: v for g in gathered for k, v in g["files"].items()},
+    state = encode_state(step=step, layout=header.layout, files={k: v for g in gathered for k, v in g["files"].items()},
                          optimizer=type(optimizer).__name__, generators=generators or {}, extra=extra or {},
                          scheduler=scheduler.state_dict() if scheduler is not None else None,
-                         rng=[g["rng"] for g in gathered])
+                         rng=[g["rng"] for g in gathered],
+                         model=model_fingerprint(getattr(model, "hf_config", None), header.tensors))
     if rank == 0:
         _finish(tmp, final, state, getattr(model, "hf_config", None))
     _barrier(group)

@@ -2,16 +2,19 @@
 
     version     "reshard.trainer_state/1" (`FORMAT`)
     step        optimizer steps taken (the run continues at step + 1)
-    layout      {"tp": T}: the layout the checkpoint was saved at
+    layout      {"tp": T} or {"fsdp": F, "tp": T}: the layout of its rank files (`Layout.from_obj`); dp
+                replicas hold the same files, so a run's dp is not part of it
     files       relative path of every rank file of the checkpoint -> its sha256 (the parameters' files,
                 then the optimizer's in `optimizer/`); a loader checks each is there and hashes to it
     optimizer   {"type": "AdamW", "step": N}: the optimizer's own scalar state
     scheduler   the LR scheduler's `state_dict()` (JSON values), or null
     generators  global generators (the same on every rank, e.g. the data order): name -> state (base64)
-    rng         per rank, in rank order: {"torch": base64 of torch's default generator state,
+    rng         per rank of the layout, in rank order: {"torch": base64 of torch's default generator state,
                 "cuda": ... when CUDA is used}
     extra       the training loop's own JSON state (seed, data cursor, ...)
-    relaid_from (only in a checkpoint `reshard write` re-laid out offline) {"tp": T}: the layout it was
+    model       sha256 of the model's config.json and its tensors' names and global shapes
+                (`model_fingerprint`): a resume checks the model its files build is this one
+    relaid_from (only in a checkpoint `reshard write` re-laid out offline) a layout: the one it was
                 saved at; its `rng` are then the states a resume at another layout reseeds to
                 (`reshard.trainer.resume.reseed` of the saved seed, the step and the rank), so a resume
                 from it equals one that cuts the original as it reads (`relaid_state`)
@@ -23,6 +26,7 @@ checkpoint. No pickle: every value is JSON, generator states are their bytes in 
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 from collections.abc import Mapping
 from pathlib import Path
@@ -30,10 +34,11 @@ from typing import Any
 
 import torch
 
-from reshard.errors import CheckpointError
+from reshard.errors import CheckpointError, PlanError
+from reshard.layout.mesh import Layout
 
 __all__ = ["FORMAT", "STATE_NAME", "check_state", "decode_rng", "encode_rng", "encode_state", "read_state",
-           "relaid_state", "rng_snapshot", "seeded_rng"]
+           "layout_json", "model_fingerprint", "relaid_state", "rng_snapshot", "seeded_rng"]
 
 FORMAT = "reshard.trainer_state/1"
 STATE_NAME = "trainer_state.json"
@@ -59,16 +64,17 @@ def rng_snapshot() -> dict[str, str]:
 
 
 def encode_state(
-    *, step: int, tp: int, files: Mapping[str, str], optimizer: str, scheduler: Mapping[str, Any] | None,
+    *, step: int, layout: Layout, files: Mapping[str, str], optimizer: str, scheduler: Mapping[str, Any] | None,
     generators: Mapping[str, torch.Generator], rng: list[dict[str, str]], extra: Mapping[str, Any],
+    model: str | None = None,
 ) -> dict[str, Any]:
     """The trainer state (the module docstring) as JSON values, checked."""
     state = {
-        "version": FORMAT, "step": step, "layout": {"tp": tp}, "files": dict(sorted(files.items())),
+        "version": FORMAT, "step": step, "layout": layout_json(layout), "files": dict(sorted(files.items())),
         "optimizer": {"type": optimizer, "step": step},
         "scheduler": dict(scheduler) if scheduler is not None else None,
         "generators": {k: encode_rng(g.get_state()) for k, g in generators.items()},
-        "rng": list(rng), "extra": dict(extra),
+        "rng": list(rng), "extra": dict(extra), **({"model": model} if model else {}),
     }
     try:
         json.dumps(state)
@@ -86,11 +92,27 @@ def check_state(state: Mapping[str, Any], where: str) -> dict[str, Any]:
     missing = [k for k in _KEYS if k not in state]
     if missing:
         raise CheckpointError(f"{where}: trainer state lacks {missing}; save the checkpoint again")
-    tp = state["layout"].get("tp") if isinstance(state["layout"], dict) else None
-    if not isinstance(tp, int) or not isinstance(state["rng"], list) or len(state["rng"]) != tp:
-        raise CheckpointError(f"{where}: trainer state has a malformed layout or rng (tp={tp!r}); save the "
-                              "checkpoint again")
+    try:
+        world = Layout.from_obj(state["layout"], where=f"{where}: `layout`").world
+    except PlanError as e:
+        raise CheckpointError(f"{e}; save the checkpoint again") from None
+    if not isinstance(state["rng"], list) or len(state["rng"]) != world:
+        raise CheckpointError(f"{where}: trainer state has {len(state['rng']) if isinstance(state['rng'], list) else 'no'} "
+                              f"rng entries for a layout of {world} ranks; save the checkpoint again")
     return dict(state)
+
+
+def model_fingerprint(config: Mapping[str, Any] | None, tensors: Mapping[str, Mapping[str, Any]]) -> str:
+    """sha256 (hex) of a model's config and its tensors' names and global shapes (whatever the layout and
+    the dtype it is trained or stored in)."""
+    config = {k: v for k, v in (config or {}).items() if k not in ("dtype", "torch_dtype")}
+    what = {"config": config, "tensors": {n: list(d["shape"]) for n, d in tensors.items()}}
+    return hashlib.sha256(json.dumps(what, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def layout_json(layout: Layout) -> dict[str, int]:
+    """A layout as the trainer state records it: its sizes other than 1, tp always."""
+    return {k: v for k, v in layout.sizes().items() if v != 1 or k == "tp"}
 
 
 def read_state(directory: Path) -> dict[str, Any] | None:
@@ -116,11 +138,11 @@ def seeded_rng(seed: int) -> dict[str, str]:
 
 
 def relaid_state(
-    state: Mapping[str, Any], *, tp: int, files: Mapping[str, str], rng: list[dict[str, str]],
+    state: Mapping[str, Any], *, layout: Layout, files: Mapping[str, str], rng: list[dict[str, str]],
 ) -> dict[str, Any]:
-    """The trainer state of checkpoint `state` re-laid out at tp=`tp`: step, optimizer, scheduler,
+    """The trainer state of checkpoint `state` re-laid out at `layout`: step, optimizer, scheduler,
     generators and extra kept; `layout`, `files` (relative path -> sha256) and the per-rank `rng` (the
     reseeded states, one per rank: `seeded_rng`) replaced; `relaid_from` records the layout it was saved at."""
-    out = {**state, "layout": {"tp": tp}, "files": dict(sorted(files.items())), "rng": list(rng),
+    out = {**state, "layout": layout_json(layout), "files": dict(sorted(files.items())), "rng": list(rng),
            "relaid_from": dict(state.get("relaid_from") or state["layout"])}
-    return check_state(out, f"trainer state re-laid at tp={tp}")
+    return check_state(out, f"trainer state re-laid at {layout.describe()}")

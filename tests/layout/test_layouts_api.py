@@ -144,13 +144,16 @@ def test_every_tensor_is_its_recorded_selection(moe: Path, tmp_path: Path, layou
 
 
 def test_trainer_refuses_other_layouts(moe: Path, tmp_path: Path) -> None:
+    """One rank file of pp=2 is not the tp=1 model's file; a layout beyond fsdp x tp is refused."""
     from reshard.trainer import build_model
 
     src, manifest = open_source(moe / "moe")
     write_shards(src, make_plan(src, manifest, Layout(pp=2)), tmp_path, progress=False)
-    with pytest.raises(CheckpointError, match=r"is a shard of pp=2 x tp=1; the bundled trainer runs tensor "
-                                              r"parallelism only: write rank files of tp=1 alone"):
+    with pytest.raises(CheckpointError, match=r"is the shard of rank 0 of pp=2 x tp=1, but this process is rank 0 "
+                                              r"of tp=1; give it rank 0's shard of tp=1"):
         build_model(tmp_path / rank_file_name(0, 2))
+    with pytest.raises(CheckpointError, match=r"fills fsdp x tp layouts .* not pp=2 x tp=1"):
+        build_model(tmp_path, layout=Layout(pp=2), rank=0)
 
 
 @pytest.fixture

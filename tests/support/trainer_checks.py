@@ -23,7 +23,6 @@ import torch
 from safetensors import safe_open
 
 from reshard.cli.train import main as train_main
-from reshard.errors import ReshardError
 from reshard.fill.experts import shard_layout
 from reshard.format.rank_file import OPTIMIZER_DIR, rank_file_name
 from reshard.trainer import build_model, causal_lm_loss, save_rank_shard
@@ -40,16 +39,16 @@ PYTHON = sys.executable
 
 def arch_job(
     rank: int, world_size: int, cases: dict[str, str], ids: torch.Tensor, save_root: str | None,
-    grad_cases: list[str], wrong_tp_dirs: list[str],
+    grad_cases: list[str], other_tp_dirs: list[str],
 ) -> dict[str, Any]:
     """Per case: build the model from its shard dir; logits, loss, local shapes; gradients for
-    `grad_cases`; save the (untrained) shards under `save_root`. Building from `wrong_tp_dirs` (shards
-    of another tp) must fail on every rank."""
+    `grad_cases`; save the (untrained) shards under `save_root`. From `other_tp_dirs` (shards of another
+    tp, cut as read): the stream's name and the logits."""
     import transformers
 
     transformers.logging.set_verbosity_error()
     torch.set_num_threads(1)
-    out: dict[str, Any] = {"logits": {}, "loss": {}, "local_shapes": {}, "grads": {}, "selects": {}, "errors": {},
+    out: dict[str, Any] = {"logits": {}, "loss": {}, "local_shapes": {}, "grads": {}, "selects": {}, "cut": {},
                            "new_groups": {}, "classes": {}}
     new_group = torch.distributed.new_group
     for name, shard_dir in cases.items():
@@ -80,13 +79,10 @@ def arch_job(
             out["selects"][name] = {k: model.rank_header.tensors[on_disk[k]]["select"] for k in params}
         if save_root is not None:
             save_rank_shard(model, Path(save_root) / name, config=model.hf_config)
-    for shard_dir in wrong_tp_dirs:
-        try:
-            build_model(shard_dir)
-        except ReshardError as exc:
-            out["errors"][shard_dir] = (type(exc).__name__, str(exc))
-        else:
-            out["errors"][shard_dir] = None
+    for shard_dir in other_tp_dirs:  # rank files of another tp: cut for this tp as they are read
+        model = build_model(shard_dir).eval()
+        with torch.no_grad():
+            out["cut"][shard_dir] = (model.rank_header.source, model(input_ids=ids).logits)
     return out
 
 

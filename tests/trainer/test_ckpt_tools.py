@@ -3,9 +3,11 @@ whole checkpoint out (parameters, `optimizer/`, `trainer_state.json`), `reshard 
 moments under the parameters' names.
 
 One gloo job of 4 ranks: a 6-step run at dp=2 x tp=2 saving its tp=2 checkpoint at step 3, that checkpoint
-re-laid at tp=4 by `reshard write`, then resumed at tp=4 twice: cut as read from the tp=2 files, and from the
-re-laid directory. The references: those two resumes against each other (identical), a tp=1 run of the same
-model and data in process (the unsharded AdamW), and the sizes of the files `reshard write` wrote.
+re-laid at tp=4 and at fsdp=2 x tp=2 by `reshard write`, then resumed at tp=4 twice (cut as read from the
+tp=2 files, and from the re-laid directory) and at fsdp=2 x tp=2 three times (cut as read, re-laid, and
+from a real `reshard serve`). The references: the resumes of one layout against each other (identical),
+the dp=2 x tp=2 run, a tp=1 run of the same model and data in process (the unsharded AdamW), and the
+sizes of the files `reshard write` wrote.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from reshard.io.hashing import file_sha256
 from reshard.trainer.resume import reseed
 from reshard.trainer.state_json import decode_rng, read_state
 from tests.support.dist import run_distributed
+from tests.support.live import live_server
 from tests.support.trainer_archs import make_checkpoint, write_shards
 
 COMMON = ["--seq-len", "16", "--batch-size", "2", "--seed", "3", "--lr", "1e-3", "--warmup", "2", "--min-lr", "1e-4",
@@ -41,8 +44,9 @@ def _cli(*args: str) -> tuple[int, str]:
     return rc, out.getvalue()
 
 
-def _job(rank: int, world: int, shards: str, root: str) -> None:
-    """dp=2 x tp=2 to step 6 saving step 3; `reshard write` of it at tp=4 (rank 0); both tp=4 resumes."""
+def _job(rank: int, world: int, shards: str, root: str, url: str) -> None:
+    """dp=2 x tp=2 to step 6 saving step 3; `reshard write` of it at tp=4 and fsdp=2 x tp=2 (rank 0); the
+    resumes at tp=4 and fsdp=2 x tp=2 (`url`: the service's URL of the step-3 checkpoint)."""
     import torch.distributed as dist
 
     from reshard.cli.train import parse_args, train
@@ -52,9 +56,13 @@ def _job(rank: int, world: int, shards: str, root: str) -> None:
                       "--save-every", "3", "--metrics", f"{root}/a.json", *COMMON]))
     if rank == 0:
         assert reshard_cli(["write", f"{root}/a/step-3", "--tp", "4", "-o", f"{root}/r4", "--no-progress"]) == 0
+        assert reshard_cli(["write", f"{root}/a/step-3", "--fsdp", "2", "--tp", "2", "-o", f"{root}/rf",
+                            "--no-progress"]) == 0
     dist.barrier()
-    for name, src in (("fly", f"{root}/a/step-3"), ("relaid", f"{root}/r4")):
-        train(parse_args(["--resume", src, "--steps", str(STEPS), "--metrics", f"{root}/{name}.json", *COMMON]))
+    fsdp = ["--fsdp", "2"]
+    for name, src, more in (("fly", f"{root}/a/step-3", []), ("relaid", f"{root}/r4", []),
+                            ("fly_f", f"{root}/a/step-3", fsdp), ("relaid_f", f"{root}/rf", fsdp), ("url_f", url, fsdp)):
+        train(parse_args(["--resume", src, "--steps", str(STEPS), "--metrics", f"{root}/{name}.json", *more, *COMMON]))
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +74,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     full = make_checkpoint("llama", root / "full")
     for tp in (1, 2):
         write_shards(full, tp, root / f"tp{tp}")
-    run_distributed(_job, 4, str(root / "tp2"), str(root), timeout=180)
+    (root / "a").mkdir()
+    with live_server(root / "a") as srv:
+        run_distributed(_job, 4, str(root / "tp2"), str(root), srv.ckpt_url("step-3"), timeout=240)
     with contextlib.redirect_stdout(io.StringIO()):  # the unsharded reference, to the same step 3
         assert train_main(["--shards", str(root / "tp1"), "--steps", str(STEPS), "--save", str(root / "one"),
                            "--save-every", "3", *COMMON]) == 0
@@ -85,6 +95,22 @@ def test_relaid_checkpoint_resumes_identically(runs: Path) -> None:
     diff = max(abs(x - y) for x, y in zip(fly["losses"], ref["losses"][3:], strict=True))
     print(f"resumed at tp=4 (re-laid and cut as read) vs the dp=2 x tp=2 run: max |loss diff| {diff:.3g}")
     assert diff < 1e-5
+
+
+@pytest.mark.multiproc
+def test_fsdp_resumes_cut_as_read_relaid_and_served_are_identical(runs: Path) -> None:
+    """At fsdp=2 x tp=2 from the dp=2 x tp=2 checkpoint: the resume cutting the tp=2 files as it reads, the one
+    from `reshard write --fsdp 2 --tp 2`'s files and the one from the service agree bit for bit, and with
+    the uninterrupted run within float32 noise."""
+    fly, relaid, url, ref = (_metrics(runs / f"{n}.json") for n in ("fly_f", "relaid_f", "url_f", "a"))
+    assert (fly["layout"], fly["first_step"], url["first_step"]) == ({"dp": 1, "fsdp": 2, "tp": 2}, 4, 4)
+    assert relaid["losses"] == fly["losses"] and url["losses"] == fly["losses"]
+    diff = max(abs(x - y) for x, y in zip(fly["losses"], ref["losses"][3:], strict=True))
+    print(f"resumed at fsdp=2 x tp=2 (cut as read, re-laid, served) vs the dp=2 x tp=2 run: max |loss diff| {diff:.3g}")
+    assert diff < 1e-5
+    state = read_state(runs / "rf")
+    assert state is not None and (state["layout"], state["relaid_from"], len(state["rng"])) == ({"fsdp": 2, "tp": 2},
+                                                                                                  {"tp": 2}, 4)
 
 
 @pytest.mark.multiproc

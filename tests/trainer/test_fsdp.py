@@ -86,22 +86,27 @@ def test_fsdp_training_matches_the_unsharded_run(runs: Path) -> None:
 
 
 @pytest.mark.multiproc
-def test_fsdp_checkpoint_is_the_tp_checkpoint(runs: Path) -> None:
-    """Saved at fsdp=2 x tp=2, the checkpoint is tp=2 rank files (gathered over fsdp) holding what the
-    dp=2 x tp=2 run saved, within float32 noise, and it resumes exactly at fsdp=2 x tp=2."""
+def test_fsdp_checkpoint_holds_each_ranks_chunks(runs: Path) -> None:
+    """Saved at fsdp=2 x tp=2, every rank wrote its own rank file of fsdp=2 x tp=2 (nothing gathered): each
+    tensor, parameters and moments, is torch.chunk's dim-0 part of what the dp=2 x tp=2 run saved in its tp
+    rank's file (within float32 noise), and the checkpoint resumes exactly at fsdp=2 x tp=2."""
     worst = 0.0
     for step, at in ((3, "step-3"), (RESUME_STEPS, ".")):  # the checkpoint of step 3 and the final one
         f, d = runs / "f" / at, runs / "d" / at
         state = read_state(f)
-        assert state is not None and (state["layout"]["tp"], state["step"]) == (2, step)
+        assert state is not None and (state["layout"], state["step"]) == ({"fsdp": 2, "tp": 2}, step)
+        assert sorted(p.name for p in f.glob("rank-*")) == [rank_file_name(r, 4) for r in range(4)]
         for sub in (".", OPTIMIZER_DIR):
-            for r in range(2):
-                a, b = load_file(f / sub / rank_file_name(r, 2)), load_file(d / sub / rank_file_name(r, 2))
+            for r in range(4):
+                fsdp_rank, tp_rank = divmod(r, 2)
+                a, b = load_file(f / sub / rank_file_name(r, 4)), load_file(d / sub / rank_file_name(tp_rank, 2))
                 assert sorted(a) == sorted(b)
                 for k in a:
-                    torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=1e-4, msg=k)
-                worst = max(worst, max(float((a[k] - b[k]).abs().max()) for k in a))
-    print(f"checkpoints saved at fsdp=2 x tp=2 vs dp=2 x tp=2: max |diff| {worst:.3g}")
+                    chunks = b[k].chunk(2, dim=0) if b[k].dim() else (b[k], b[k])
+                    want = chunks[fsdp_rank] if fsdp_rank < len(chunks) else b[k][:0]
+                    torch.testing.assert_close(a[k], want, atol=1e-6, rtol=1e-4, msg=k)
+                    worst = max(worst, float((a[k] - want).abs().max()) if a[k].numel() else 0.0)
+    print(f"checkpoints saved at fsdp=2 x tp=2 vs dp=2 x tp=2, chunked: max |diff| {worst:.3g}")
     rf, fm = read_metrics(runs / "rf.json"), read_metrics(runs / "f.json")
     assert rf["first_step"] == 4 and rf["losses"] == fm["losses"][3:]  # bit for bit
 

@@ -7,7 +7,9 @@ tp=2 in two gloo ranks (one `run_distributed` for all the tp=2 runs).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
 import os
 import shutil
 import signal
@@ -140,6 +142,33 @@ def test_corrupt_or_incomplete_checkpoint_is_one_clear_error(tp1_runs: Path, tmp
     assert rc == 1 and "incomplete checkpoint" in err and "resume from an earlier checkpoint" in err, err
 
 
+@pytest.mark.pure
+def test_saved_config_names_the_saved_dtype(tmp_path: Path) -> None:
+    """A bfloat16 checkpoint trained in float32 is saved in float32 and its config.json says so (and so does
+    `reshard merge`'s); resuming it in bfloat16 is the same model (the fingerprint ignores the dtype)."""
+    import json
+
+    import transformers
+
+    full = make_checkpoint("llama", tmp_path / "fp32")
+    transformers.AutoModelForCausalLM.from_pretrained(full, dtype=torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    assert json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"
+    write_shards(tmp_path / "bf16", 1, tmp_path / "tp1")
+    rc, _, err = train_here("--shards", str(tmp_path / "tp1"), "--steps", "1", "--save", str(tmp_path / "ck"),
+                            "--dtype", "float32")
+    assert rc == 0, err
+    merge(tmp_path / "ck", tmp_path / "merged", progress=False)
+    for d in (tmp_path / "ck", tmp_path / "merged"):
+        assert json.loads((d / "config.json").read_text())["dtype"] == "float32", d
+    assert {t.dtype for t in load_file(tmp_path / "merged" / "model.safetensors").values()} == {torch.float32}
+    from reshard.cli.train import main
+
+    with contextlib.redirect_stdout(out := io.StringIO()):
+        assert main(["--resume", str(tmp_path / "ck"), "--steps", "2", "--dtype", "bfloat16", "--seq-len", "16",
+                     "--batch-size", "2", "--threads", "1"]) == 0
+    assert "resumed from" in out.getvalue()
+
+
 # --- two gloo ranks --------------------------------------------------------------------------------------
 
 
@@ -207,6 +236,23 @@ def _tp4_job(rank: int, world: int, root: str) -> None:
 
     os.environ["WORLD_SIZE"] = str(world)
     train(parse_args(["--resume", f"{root}/a/step-3", "--steps", str(RESUME_STEPS), "--metrics", f"{root}/tp4.json", *RESUME_ARGS]))
+
+
+@pytest.mark.multiproc
+def test_another_models_files_are_one_clear_error(tp1_runs: Path, tp2_runs: Path, tmp_path: Path) -> None:
+    """A checkpoint whose parameter files and config.json are another model's (qwen2 in place of the llama its
+    trainer state and moments were saved with): at the saved layout the recorded sha256 refuses them, at
+    another (tp=2 files resumed at tp=1, cut as read: no whole-file hash) the model's fingerprint does; one
+    line each, no step trained."""
+    other = make_checkpoint("qwen2", tmp_path / "qwen2")
+    for tp, runs, says in ((1, tp1_runs, "does not match the recorded"), (2, tp2_runs, "are of another model")):
+        bad = shutil.copytree(runs / "a" / "step-3", tmp_path / f"bad{tp}")
+        write_shards(other, tp, tmp_path / f"other{tp}")
+        for name in [*(rank_file_name(r, tp) for r in range(tp)), "config.json"]:
+            shutil.copy(tmp_path / f"other{tp}" / name, bad / name)
+        rc, out, err = train_here("--resume", str(bad), "--steps", str(RESUME_STEPS))
+        assert rc == 1 and "step " not in out.replace("at step", ""), out
+        assert err.strip().count("\n") == 0 and says in err, err
 
 
 @pytest.mark.multiproc

@@ -34,23 +34,23 @@ BASES = ("column", "row", "packed_column", "vocab_embed", "expert_column", "expe
 BYTE = Axis(-1, 2, "byte of 2 FP4 values")
 GROUP_AXIS = Axis(-1, "group_size", "NVFP4 group")
 
-NVFP4 = register_part_kinds(QuantScheme(
-    "nvfp4", "_nvfp4", bases=BASES, scale_suffixes=(".weight_scale",), replicated_suffixes=(),
-    torch_dtypes=("uint8",), weight_suffix=".weight", logical_suffix=".weight",
-    parts=(Part(".weight", (Axis(-2), BYTE)), Part(".weight_scale", (Axis(-2), GROUP_AXIS)),
-           Part(".weight_scale_2", None), Part(".input_scale", None)),
-    description="NVFP4 (ModelOpt): FP4 E2M1 two per byte along K, an F8_E4M3 scale per group of 16, "
-                "F32 weight_scale_2 and input_scale",
-))
 
-NVFP4_CT = register_part_kinds(QuantScheme(
-    "nvfp4-ct", "_nvfp4_ct", bases=BASES, scale_suffixes=(".weight_scale",), replicated_suffixes=(),
-    torch_dtypes=("uint8",), weight_suffix=".weight_packed", logical_suffix=".weight",
-    parts=(Part(".weight_packed", (Axis(-2), BYTE)), Part(".weight_scale", (Axis(-2), GROUP_AXIS)),
-           Part(".weight_global_scale", None), Part(".input_global_scale", None)),
-    description="NVFP4 (compressed-tensors nvfp4-pack-quantized): FP4 E2M1 two per byte along K, an F8_E4M3 "
-                "scale per group of 16, F32 weight_global_scale and input_global_scale (divisors)",
-))
+def _scheme(name: str, weight: str, scalars: tuple[str, str], description: str) -> QuantScheme:
+    """One export of NVFP4: its weight's suffix and its two F32 scalars' (weight's global scale, input's)."""
+    return register_part_kinds(QuantScheme(
+        name, "_" + name.replace("-", "_"), bases=BASES, scale_suffixes=(".weight_scale",), replicated_suffixes=(),
+        torch_dtypes=("uint8",), weight_suffix=weight, logical_suffix=".weight",
+        parts=(Part(weight, (Axis(-2), BYTE)), Part(".weight_scale", (Axis(-2), GROUP_AXIS)),
+               *(Part(s, None) for s in scalars)),
+        description=description))
+
+
+NVFP4 = _scheme("nvfp4", ".weight", (".weight_scale_2", ".input_scale"),
+                "NVFP4 (ModelOpt): FP4 E2M1 two per byte along K, an F8_E4M3 scale per group of 16, "
+                "F32 weight_scale_2 and input_scale")
+NVFP4_CT = _scheme("nvfp4-ct", ".weight_packed", (".weight_global_scale", ".input_global_scale"),
+                   "NVFP4 (compressed-tensors nvfp4-pack-quantized): FP4 E2M1 two per byte along K, an F8_E4M3 "
+                   "scale per group of 16, F32 weight_global_scale and input_global_scale (divisors)")
 
 
 def _group(value: Any, where: str) -> int:

@@ -163,7 +163,7 @@ class PartLoader(SliceLoader):
             good = [t for t in range(1, MAX_LISTED_TP + 1) if self._works(shape, t)]
             raise PlanError(
                 f"the {LOGICAL.get(dim, f'{dim}')} dim has {logical[dim + len(logical)]} values and tp={world_size} "
-                f"puts a rank boundary at {at}, inside one {what} ({self.scheme.name}: {unit} values), which two "
+                f"puts a rank boundary at {at}, inside one {what} ({unit} values), which two "
                 f"ranks would share; pick tp in {{{','.join(map(str, good))}}}"
             )
         ndim = len(logical)

@@ -6,6 +6,7 @@ byte for byte, and a split inside a block or group is refused with nothing writt
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -201,7 +202,12 @@ def nv(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         out[flavour] = src
         for tp in (2, 4):
             out[f"{flavour}-tp{tp}"] = write(src, root / f"{flavour}-tp{tp}", "--tp", str(tp))
+        for name, args in ND_LAYOUTS.items():
+            out[f"{flavour}-{name}"] = write(src, root / f"{flavour}-{name}", *args)
     return out
+
+
+ND_LAYOUTS = {"tp2-fsdp2": ("--tp", "2", "--fsdp", "2"), "pp2-tp2": ("--pp", "2", "--tp", "2")}
 
 
 @pytest.mark.parametrize("tp", [2, 4])
@@ -238,10 +244,11 @@ def test_nvfp4_ranks_hold_their_slice(nv: dict[str, Path], flavour: str, tp: int
     assert {"column" + suffix, "row" + suffix, "row", "column", "vocab_embed", "replicate"} == kinds
 
 
-@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("layout", ["tp2", "tp4", *ND_LAYOUTS])
 @pytest.mark.parametrize("flavour", list(NV_NAMES))
-def test_nvfp4_merges_back_byte_for_byte(nv: dict[str, Path], flavour: str, tp: int, tmp_path: Path) -> None:
-    merge(nv[f"{flavour}-tp{tp}"], tmp_path / "merged", progress=False)
+def test_nvfp4_merges_back_byte_for_byte(nv: dict[str, Path], flavour: str, layout: str, tmp_path: Path) -> None:
+    """Every layout (FSDP cuts the rows TP gave a rank, weight and scale alike; pipeline stages) merges back."""
+    merge(nv[f"{flavour}-{layout}"], tmp_path / "merged", progress=False)
     for name in ("model.safetensors", "config.json"):
         assert (tmp_path / "merged" / name).read_bytes() == (nv[flavour] / name).read_bytes(), name
 
@@ -261,3 +268,30 @@ def test_nvfp4_split_inside_a_group_is_refused(nv: dict[str, Path], flavour: str
         from reshard.plan.planner import make_plan
 
         make_plan(*open_source(src), 8)
+
+
+@pytest.mark.parametrize(("qc", "message"), [
+    ({"quant_method": "modelopt", "quant_algo": "FP8"}, "quant_algo 'FP8' is not supported (supported: NVFP4)"),
+    ({"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 15}, "group_size 15 must be a positive even"),
+    ({"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized", "config_groups": {"g": {"weights": {
+        "num_bits": 4, "type": "float", "strategy": "group", "group_size": 16}}}}, "strategy 'group'; NVFP4 is 4-bit"),
+    ({"quant_method": "compressed-tensors", "format": "mixed-precision", "config_groups": {
+        "a": {"format": "nvfp4-pack-quantized", "weights": {}}, "b": {"format": "float-quantized", "weights": {}}}},
+     "config groups use different formats"),
+])
+def test_fp4_configs_refused(qc: dict[str, Any], message: str) -> None:
+    from reshard.errors import ManifestError
+    from reshard.rules.quant.scheme import scheme_from_config
+
+    with pytest.raises(ManifestError, match=re.escape(message)):
+        scheme_from_config({"quantization_config": qc})
+
+
+def test_fp4_configs_recognised() -> None:
+    from reshard.rules.quant.scheme import scheme_from_config
+
+    nested = scheme_from_config({"quantization_config": {"quant_method": "modelopt", "quantization": {
+        "quant_algo": "nvfp4", "group_size": 16}}})  # hf_quant_config.json's form, lower case
+    assert nested is not None and nested.packed.name == "nvfp4" and nested.options() == {"group_size": 16}
+    mx = scheme_from_config({"quantization_config": {"quant_method": "mxfp4"}})
+    assert mx is not None and (mx.packed.name, mx.options()) == ("mxfp4", {})

@@ -80,7 +80,7 @@ def test_a_split_inside_a_unit_is_refused_naming_the_unit_and_the_tps_that_work(
         sel("m.x.qw", (16, 24), "row_toy4", 8, 1)
     msg = str(e.value)
     assert msg.startswith("m.x.qw: the input (K) dim has 48 values and tp=8 puts a rank boundary at 6, inside one group")
-    assert "(toy4: 4 values)" in msg and "pick tp in {1,2,3,4,6,12}" in msg and "kind row_toy4" in msg
+    assert "group (4 values)" in msg and "pick tp in {1,2,3,4,6,12}" in msg and "kind row_toy4" in msg
     # the zero points' packing along N: 8 rows per int32, so N = 32 splits only into 1, 2 or 4
     with pytest.raises(PlanError, match=r"output \(N\) dim has 32 values .* int32 of 8 zero points .* pick tp in \{1,2,4\}"):
         sel("m.x.zp", (4, 4), "column_toy4", 8, 0)
