@@ -129,3 +129,17 @@ def test_act_order_is_vllms_refusal_not_a_wrong_load(int4_dirs: Callable[..., Pa
     with pytest.raises(Exception, match=r"desc_act=True\) is no longer supported"):
         loaded_by_reshard(meta, ENGINE, shards=str(int4_dirs("gptq", 1)))
     assert ReshardError  # (the plugin never ran: vLLM stopped while building the model)
+
+
+@pytest.mark.servers
+def test_the_packed_formats_the_plugin_fills() -> None:
+    """int4 formats are filled; a packed format whose vLLM parameters the plugin was not checked against (NVFP4
+    here) is one error before anything loads."""
+    from reshard.integrations.vllm.fill import packed_format
+
+    assert [packed_format(q, qc).name for q, qc in (("auto_gptq", gptq_qc(32)), ("auto_awq", awq_qc(32)),
+                                                    ("compressed-tensors", ct_qc(32)))] == ["gptq", "awq", "pack-quantized"]
+    assert packed_format(None, None) is None
+    with pytest.raises(ReshardError, match=r"loads unquantized checkpoints and the packed formats gptq, awq, "
+                                           r"pack-quantized; this one is 'modelopt' \(NVFP4"):
+        packed_format("modelopt", {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16})

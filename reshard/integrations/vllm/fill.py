@@ -31,7 +31,7 @@ from reshard.fill.into_params import RankHeader, iter_tensors, read_header_from
 from reshard.fill.open import open_rank_stream
 from reshard.integrations.vllm.places import place_for
 from reshard.rules.engines import VLLM_VOCAB_ALIGN, is_vocab_split
-from reshard.rules.quant.scheme import QuantScheme, scheme_from_config, scheme_of_kind, schemes
+from reshard.rules.quant.scheme import QuantScheme, scheme_from_config, scheme_of_kind
 
 _LIST = 6  # names shown per list in an error
 _FP8 = frozenset({"F8_E4M3", "F8_E5M2", "F8_E8M0"})
@@ -167,6 +167,10 @@ class PreSharded:
         return True if success else None
 
 
+# the packed formats whose vLLM parameters the places fill (checked against vLLM's loaders: tests/vllm/test_int4.py)
+VLLM_PACKED = ("gptq", "awq", "pack-quantized")
+
+
 def packed_format(quantization: str | None, quantization_config: Any) -> QuantScheme | None:
     """The packed format (`QuantScheme` with parts: GPTQ, AWQ, compressed-tensors int4, ...) of a checkpoint
     vLLM calls `quantization`, from its config.json `quantization_config`; None for an unquantized one. A
@@ -180,10 +184,10 @@ def packed_format(quantization: str | None, quantization_config: Any) -> QuantSc
         scheme = scheme_from_config({"quantization_config": qc}) if isinstance(qc, dict) else None
     except ManifestError as e:
         scheme, why = None, f" ({e})"
-    if scheme is None or not scheme.packed.parts:
-        known = ", ".join(sorted({s.name for s in schemes() if s.parts}))
-        raise ReshardError(f"load_format='reshard' loads unquantized checkpoints and the packed formats it cuts "
-                           f"({known}); this one is {quantization!r}{why}: use load_format='auto'")
+    if scheme is None or scheme.packed.name not in VLLM_PACKED:
+        why = why or ("" if scheme is None else f" ({scheme.packed.description or scheme.packed.name})")
+        raise ReshardError(f"load_format='reshard' loads unquantized checkpoints and the packed formats "
+                           f"{', '.join(VLLM_PACKED)}; this one is {quantization!r}{why}: use load_format='auto'")
     return scheme.packed
 
 
