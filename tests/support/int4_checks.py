@@ -11,14 +11,13 @@ dequantized weight. Leading dims (experts of a fused `[E, ...]` tensor) are take
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 
 from tests.support.int4_ckpt import TENSORS, dequantize, format_of, local_groups
+from tests.support.rank_files import rank_file, same_bytes
 
 # per format and part, the logical axis of each trailing stored dim and its unit: N (outputs), K (inputs),
 # G (groups of K), S (a dim no split touches)
@@ -35,24 +34,17 @@ def indices(intervals: list[list[int]]) -> torch.Tensor:
     return torch.cat([torch.arange(a, b) for a, b in intervals]) if intervals else torch.zeros(0, dtype=torch.long)
 
 
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8),
-                                                                      b.contiguous().view(torch.uint8))
-
-
 def check_rank_file(path: Path, full: dict[str, torch.Tensor], deq: dict[str, torch.Tensor],
                     qc: dict[str, Any]) -> dict[str, tuple[torch.Tensor, ...]]:
     """Check one rank file (see the module); returns per quantized module stem the leading (expert) indices,
     rows and inputs the rank holds."""
     fmt, group, _sym, act_order = format_of(qc)
-    with safe_open(str(path), "pt") as f:
-        local = {k: f.get_tensor(k) for k in f.keys()}
-        desc = json.loads(f.metadata()["tensors"])
+    local, desc = rank_file(path)
     for name, t in local.items():  # every tensor: the checkpoint's bytes at its recorded selection
         want = full[name]
         for d, ivs in enumerate(desc[name]["select"]):
             want = want.index_select(d, indices(ivs))
-        assert _same(t, want), (path.name, name)
+        assert same_bytes(t, want), (path.name, name)
     weight = TENSORS[fmt][0]
     out = {}
     for wname in [n for n in local if n.endswith("." + weight)]:

@@ -28,6 +28,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from reshard.testing.synth import make_checkpoint
+from tests.support.tp_math import linear_index
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 LINEAR = re.compile(r"(.*\.(q|k|v|o|qkv|gate|up|down|gate_up)_proj)\.weight")
@@ -226,30 +227,14 @@ def dequantized_weights(path: Path, qc: dict[str, Any]) -> dict[str, torch.Tenso
     return out
 
 
-# --- what a rank holds, by the TP math (independent of reshard's plan) -----------------------------------
-
-def heads_rows(heads: int, head_dim: int, tp: int, rank: int) -> torch.Tensor:
-    """A column split on heads; with fewer heads than ranks each head goes to tp/heads ranks."""
-    if heads % tp == 0:
-        return torch.arange(heads * head_dim).chunk(tp)[rank]
-    h = rank // (tp // heads)
-    return torch.arange(h * head_dim, (h + 1) * head_dim)
-
+# --- what a rank holds, by the TP math (independent of reshard's plan: tests/support/tp_math.py) ------------
 
 def logical_index(stem: str, cfg: dict[str, Any], tp: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rows of N, columns of K) of module `stem`'s weight that rank `rank` of `tp` holds."""
-    nh, kv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
-    hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
-    q, k = heads_rows(nh, hd, tp, rank), heads_rows(kv, hd, tp, rank)
-    half = torch.arange(inter).chunk(tp)[rank]
-    every, hid = torch.arange(hidden), torch.arange(hidden)
-    return {
-        "q_proj": (q, every), "k_proj": (k, every), "v_proj": (k, every),
-        "o_proj": (hid, torch.arange(nh * hd).chunk(tp)[rank]),
-        "gate_proj": (half, every), "up_proj": (half, every), "down_proj": (hid, half),
-        "qkv_proj": (torch.cat([q, nh * hd + k, (nh + kv) * hd + k]), every),
-        "gate_up_proj": (torch.cat([half, inter + half]), every),
-    }[stem.rsplit(".", 1)[-1]]
+    """(rows of N, columns of K) of module `stem`'s weight that rank `rank` of `tp` holds (a whole dim of a
+    llama linear is always the hidden size: the outputs of o/down, the inputs of the others)."""
+    rows, cols = linear_index(stem.rsplit(".", 1)[-1], cfg, tp, rank)
+    every = torch.arange(cfg["hidden_size"])
+    return (every if rows is None else rows), (every if cols is None else cols)
 
 
 def stored_index(fmt: str, suffix: str, rows: torch.Tensor, cols: torch.Tensor, groups: torch.Tensor,

@@ -18,9 +18,11 @@ from __future__ import annotations
 from typing import Any
 
 from reshard.errors import ManifestError
-from reshard.rules.quant.int4 import BASES, GROUP, PACKED, ZEROS, group_options
+from reshard.rules.quant.int4 import BASES, group_options, unit_names
 from reshard.rules.quant.parts import register_part_kinds
 from reshard.rules.quant.scheme import Axis, Part, QuantScheme, Scheme, register_quant_method
+
+PACKED, ZEROS, GROUP = unit_names("AWQ")
 
 AWQ = register_part_kinds(QuantScheme(
     "awq", "_awq", bases=BASES, scale_suffixes=(".scales",), replicated_suffixes=(), torch_dtypes=("int32",),

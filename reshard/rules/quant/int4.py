@@ -22,10 +22,13 @@ from reshard.errors import ManifestError
 
 # the base kinds each int4 format has a twin of: `column` -> `column_gptq`, ...
 BASES = ("column", "row", "packed_column", "vocab_embed", "replicate", "expert_column", "expert_row")
-PACKED = "packed int32 of 8 4-bit values"  # how an error names one stored index of a packed dim
-ZEROS = "packed int32 of 8 zero points"
-GROUP = "group"
 Params = tuple[tuple[str, Any], ...]
+
+
+def unit_names(fmt: str) -> tuple[str, str, str]:
+    """How an error names one stored index (`Axis.what`) of a format's packed weight, of its packed zero
+    points and of its scales' groups: "inside one GPTQ group (32 values)"."""
+    return f"{fmt} int32 of packed 4-bit values", f"{fmt} int32 of packed zero points", f"{fmt} group"
 
 
 def group_options(where: str, *, bits: Any, group: Any, act_order: bool) -> Params:

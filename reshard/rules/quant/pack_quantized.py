@@ -23,7 +23,7 @@ from __future__ import annotations
 from typing import Any
 
 from reshard.errors import ManifestError
-from reshard.rules.quant.int4 import BASES, GROUP, PACKED, ZEROS, group_options
+from reshard.rules.quant.int4 import BASES, group_options, unit_names
 from reshard.rules.quant.parts import register_part_kinds
 from reshard.rules.quant.scheme import (
     Axis,
@@ -32,6 +32,8 @@ from reshard.rules.quant.scheme import (
     Scheme,
     register_ct_format,
 )
+
+PACKED, ZEROS, GROUP = unit_names("compressed-tensors")
 
 PACK_QUANTIZED = register_part_kinds(QuantScheme(
     "pack-quantized", "_ct_int4", bases=BASES, scale_suffixes=(".weight_scale",), replicated_suffixes=(),

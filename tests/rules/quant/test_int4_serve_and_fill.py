@@ -11,12 +11,12 @@ import httpx
 import pytest
 import torch
 from safetensors.torch import load_file
-from torch import nn
 
 from reshard.errors import PlanError
 from reshard.format.rank_file import rank_file_name
 from reshard.testing.synth import llama_config
 from tests.support.dist import run_distributed
+from tests.support.fill_checks import Holder
 from tests.support.fp8_ckpt import write
 from tests.support.int4_ckpt import (
     awq_qc,
@@ -55,23 +55,8 @@ def test_service_streams_int4_shards_byte_identical_to_write(root: Path, tmp_pat
                 assert r.content == (out / rank_file_name(rank, tp)).read_bytes(), (case, tp, rank)
         bad = httpx.get(f"{srv.ckpt_url('gptq')}/shards/0", params={"tp": 8}, timeout=60)  # o_proj: 16 inputs
         assert bad.status_code == 422 and bad.json()["error"] == "PlanError", bad.text
-        assert "inside one group (gptq: 32 values)" in bad.json()["detail"]
+        assert "inside one GPTQ group (32 values)" in bad.json()["detail"]
         assert "Traceback" not in srv.log()
-
-
-class Holder(nn.Module):
-    """A consumer holding packed tensors as stored, under their checkpoint names (vLLM-like parameters)."""
-
-    def __init__(self, tensors: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> None:
-        super().__init__()
-        for name, (shape, dtype) in tensors.items():
-            *path, leaf = name.split(".")
-            mod: nn.Module = self
-            for part in path:
-                if not hasattr(mod, part):
-                    mod.add_module(part, nn.Module())
-                mod = getattr(mod, part)
-            mod.register_parameter(leaf, nn.Parameter(torch.full(shape, 7).to(dtype), requires_grad=False))
 
 
 def rank_tensors(case: str, full: dict[str, torch.Tensor], tp: int, rank: int) -> dict[str, torch.Tensor]:

@@ -5,13 +5,11 @@ dequantized full weight; merges give the checkpoint back byte for byte; misalign
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from safetensors import safe_open
 from safetensors.torch import load_file
 
 from reshard.cli import main
@@ -33,6 +31,8 @@ from tests.support.int4_ckpt import (
     rank_groups,
     stored_index,
 )
+from tests.support.rank_files import differing_ranks, rank_file, same_bytes, written_ranks
+from tests.support.tp_math import llama_rules
 
 pytestmark = pytest.mark.pure
 
@@ -70,16 +70,6 @@ def int4(tmp_path_factory: pytest.TempPathFactory) -> Any:
         return made[(name, tp)]
 
     return get
-
-
-def rank_file(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    with safe_open(str(path), "pt") as f:
-        return {k: f.get_tensor(k) for k in f.keys()}, json.loads(f.metadata()["tensors"])
-
-
-def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8),
-                                                                      b.contiguous().view(torch.uint8))
 
 
 def take(t: torch.Tensor, index: list[torch.Tensor]) -> torch.Tensor:
@@ -134,54 +124,25 @@ def test_merge_returns_the_original_bytes(int4: Any, case: str, tmp_path: Path) 
 
 def test_int4_shards_reshard_to_another_tp(int4: Any, tmp_path: Path) -> None:
     for case in ("gptq_act", "awq_phi3", "ct_asym_phi3"):
-        direct = write(int4(case, 4), 2, tmp_path / case)
-        for rank in range(2):
-            name = rank_file_name(rank, 2)
-            assert (direct / name).read_bytes() == (int4(case, 2) / name).read_bytes(), (case, rank)
+        assert differing_ranks(write(int4(case, 4), 2, tmp_path / case), int4(case, 2), 2) == [], case
 
 
-RULES = """\
-rules:
-  - pattern: "model.layers.*.self_attn.q_proj.*"
-    kind: column_gptq
-    heads: 4
-    group_size: 32
-  - pattern: "model.layers.*.self_attn.[kv]_proj.*"
-    kind: column_gptq
-    heads: 2
-    replicate_heads: true
-    group_size: 32
-  - regex: 'model\\.layers\\.\\d+\\.(self_attn\\.o|mlp\\.down)_proj\\..*'
-    kind: row_gptq
-    group_size: 32
-  - pattern: "model.layers.*.mlp.*_proj.*"
-    kind: column_gptq
-    group_size: 32
-  - pattern: model.embed_tokens.weight
-    kind: vocab_embed
-    pad: true
-  - pattern: lm_head.weight
-    kind: column
-    pad: true
-    gather_output: true
-"""
+RULES = llama_rules("_gptq", heads=4, kv_heads=2, options="group_size: 32")
 
 
 def test_a_rules_file_says_the_same_explicitly(int4: Any, tmp_path: Path) -> None:
     rules = tmp_path / "rules.yaml"
     rules.write_text(RULES)
     for tp in (2, 4):
-        out = write(int4("gptq"), tp, tmp_path / f"tp{tp}", "--rules", str(rules))
-        for rank in range(tp):
-            name = rank_file_name(rank, tp)
-            assert (out / name).read_bytes() == (int4("gptq", tp) / name).read_bytes(), (tp, rank)
+        assert differing_ranks(write(int4("gptq"), tp, tmp_path / f"tp{tp}", "--rules", str(rules)),
+                               int4("gptq", tp), tp) == [], tp
 
 
 # (config, quantization_config, tp, the tensors named, what the error says, the tps it lists)
 MISALIGNED = {
     # down_proj's K of 96 at tp=2: 48 inputs per rank cut a group of 32
     "group": (dict(intermediate_size=96), gptq_qc(32), 2, r"mlp\.down_proj\.(qweight|qzeros|scales|g_idx)",
-              "the input (K) dim has 96 values and tp=2 puts a rank boundary at 48, inside one group (gptq: 32 values)",
+              "the input (K) dim has 96 values and tp=2 puts a rank boundary at 48, inside one GPTQ group (32 values)",
               "{1,3}"),
     # act order keeps every group on every rank, and still the boundaries on group edges
     "act_order": (dict(intermediate_size=96), gptq_qc(32, desc_act=True), 2,
@@ -189,13 +150,13 @@ MISALIGNED = {
                   "{1,3}"),
     # K of 96 at tp=4: 24 per rank, whole int32s of 8 but not whole AWQ groups of 32
     "awq_group": (dict(intermediate_size=96), awq_qc(32), 4, r"mlp\.down_proj\.(qweight|qzeros|scales)",
-                  "tp=4 puts a rank boundary at 24, inside one group (awq: 32 values)", "{1,3}"),
+                  "tp=4 puts a rank boundary at 24, inside one AWQ group (32 values)", "{1,3}"),
     # k/v_proj's 8 rows at tp=2: 4 per rank cut an int32 of 8 zero points (asymmetric only)
     "zero_points": (dict(hidden_size=64, num_attention_heads=8, head_dim=4, num_key_value_heads=2,
                          intermediate_size=64), ct_qc(None, sym=False), 2,
                     r"self_attn\.[kv]_proj\.(weight_packed|weight_scale|weight_zero_point|weight_shape)",
-                    "the output (N) dim has 8 values and tp=2 puts a rank boundary at 4, inside one packed int32 of 8 "
-                    "zero points", "{1}"),
+                    "the output (N) dim has 8 values and tp=2 puts a rank boundary at 4, inside one compressed-tensors "
+                    "int32 of packed zero points (8 values)", "{1}"),
 }
 
 
@@ -243,10 +204,9 @@ def test_unquantized_modules_keep_their_plain_rule(tmp_path: Path) -> None:
     kept = "model.layers.0.mlp.down_proj.weight"
     src = int4_checkpoint(tmp_path / "ckpt", cfg, {**qc, "modules_to_not_convert": ["down_proj"]}, keep=(kept,))
     full = load_file(src / "model.safetensors")
-    out = write(src, 2, tmp_path / "tp2")
-    for rank in range(2):
-        local, desc = rank_file(out / rank_file_name(rank, 2))
-        assert desc[kept]["kind"] == "row" and local[kept].dtype == torch.bfloat16
-        assert torch.equal(local[kept], full[kept].chunk(2, dim=1)[rank])
+    ranks = written_ranks(src, 2, tmp_path / "tp2")
+    assert [(d[kept]["kind"], t[kept].dtype) for t, d in ranks] == [("row", torch.bfloat16)] * 2
+    assert all(torch.equal(t[kept], w) for (t, _), w in zip(ranks, full[kept].chunk(2, dim=1)))
+    for _, desc in ranks:  # the module's twin (its tensors), and the plain rule for its bias
         assert desc["model.layers.0.self_attn.o_proj.qweight"]["kind"] == "row_awq"
         assert desc["model.layers.0.self_attn.q_proj.bias"]["kind"] == "column"
