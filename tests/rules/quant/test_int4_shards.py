@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from reshard.cli import main
 from reshard.format.rank_file import rank_file_name
@@ -28,6 +28,7 @@ from tests.support.int4_ckpt import (
     local_groups,
     logical_index,
     modules,
+    quantize,
     rank_groups,
     stored_index,
 )
@@ -210,3 +211,30 @@ def test_unquantized_modules_keep_their_plain_rule(tmp_path: Path) -> None:
     for _, desc in ranks:  # the module's twin (its tensors), and the plain rule for its bias
         assert desc["model.layers.0.self_attn.o_proj.qweight"]["kind"] == "row_awq"
         assert desc["model.layers.0.self_attn.q_proj.bias"]["kind"] == "column"
+
+
+def test_a_quantized_lm_head_splits_its_vocabulary_in_whole_int32s(tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """GPTQ with `lm_head: true` and a vocabulary of 1000: transformers' cut (500 rows a rank) would cut an
+    int32 of zero points and is refused; vLLM's (padded to 1024, 512 a rank) holds whole int32s, zeros past
+    the vocabulary."""
+    cfg = llama_config(**{**_BASE, "vocab_size": 1000})
+    src = int4_checkpoint(tmp_path / "ckpt", cfg, {**gptq_qc(32), "lm_head": True})
+    state = load_file(src / "model.safetensors")  # quantize lm_head too, as GPTQ's lm_head option does
+    for suffix, t in quantize("gptq", state.pop("lm_head.weight"), group=32).items():
+        state[f"lm_head.{suffix}"] = t
+    save_file(state, str(src / "model.safetensors"), metadata={"format": "pt"})
+    assert main(["write", str(src), "--tp", "2", "-o", str(tmp_path / "hf"), "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert "lm_head." in err and "the output (N) dim has 1000 values and tp=2 puts a rank boundary at 500" in err
+    out = write(src, 2, tmp_path / "vllm", "--engine", "vllm")
+    for rank in range(2):
+        local, desc = rank_file(out / rank_file_name(rank, 2))
+        rows = torch.arange(512 * rank, 512 * rank + 512)
+        real = rows[rows < 1000]
+        qweight, scales, qzeros = (local[f"lm_head.{s}"] for s in ("qweight", "scales", "qzeros"))
+        assert desc["lm_head.qweight"]["kind"] == "column_gptq" and qweight.shape == (16, 512)
+        assert torch.equal(qweight[:, : len(real)], state["lm_head.qweight"][:, real])
+        assert torch.equal(scales[:, : len(real)], state["lm_head.scales"][:, real])
+        assert torch.equal(qzeros[:, : len(real) // 8], state["lm_head.qzeros"][:, real[::8] // 8])
+        assert not qweight[:, len(real):].any() and not qzeros[:, len(real) // 8:].any()  # padding: zeros
