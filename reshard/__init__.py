@@ -8,8 +8,9 @@ The public API, in the order of the data flow::
     write_shards(source, plan, "out/")                # rank files + reshard.json, atomically
     model = empty_tp_model("out/")                    # a transformers TP model, no weights read
     fill_model(model, "out/")                         # this rank's shard into its parameters
+    a, b = read_boxes("ckpt/", [Box("lm_head.weight", (0, 0), (64, 4096)), ...])   # blocks of tensors, any source
 
-`fill_model` and `empty_tp_model` need torch and transformers. Every name but `Layout` and
+`fill_model` and `empty_tp_model` need torch and transformers; `read_boxes` needs torch. Every name but `Layout` and
 `ReshardError` is imported on first use, so `import reshard` stays cheap and a process that only
 fills a model (from rank files or the service) never imports the HTTP, settings or planning stacks.
 
@@ -29,11 +30,12 @@ from reshard.errors import ReshardError
 from reshard.layout import Layout
 
 __version__ = "0.1.0"
-__all__ = ["Layout", "ReshardError", "__version__", "empty_tp_model", "enable_import_cache", "fill_model", "make_plan",
-           "open_source", "write_shards"]
+__all__ = ["Box", "Layout", "ReshardError", "__version__", "empty_tp_model", "enable_import_cache", "fill_model",
+           "make_plan", "open_source", "read_boxes", "write_shards"]
 
 _LAZY = {"open_source": "reshard.io.source.opener", "write_shards": "reshard.io.sinks.write", "make_plan": "reshard.plan.planner",
-         "fill_model": "reshard.fill", "empty_tp_model": "reshard.fill"}
+         "fill_model": "reshard.fill", "empty_tp_model": "reshard.fill", "read_boxes": "reshard.fill.box_fill",
+         "Box": "reshard.format.box_request"}
 
 
 def enable_import_cache() -> None:

@@ -31,6 +31,21 @@ class PlanError(ReshardError):
     """A tensor cannot be split as asked (divisibility, heads, padding), or rank/tp out of range."""
 
 
+class TpMismatchError(PlanError):
+    """A tensor's split does not fit this tp (a size, heads or blocks it does not divide). `fact` says what
+    does not fit, `fix` the tensor's own way out, `pad` whether the rule's `pad: true` would make it fit;
+    the planner replaces `fix` by the tp values that plan the whole checkpoint (`reshard.plan.advice`)."""
+
+    def __init__(self, fact: str, fix: str = "", *, pad: bool = False, where: str = "") -> None:
+        super().__init__(f"{fact}; {fix}{where}" if fix else f"{fact}{where}")
+        self.fact, self.fix, self.pad, self.where = fact, fix, pad, where
+
+
+class BoxError(ReshardError):
+    """A request for boxes of tensors (`reshard.format.box_request`) that cannot be answered: an unknown
+    tensor, a box past its end, more boxes or bytes than allowed."""
+
+
 class SourceChangedError(ReshardError):
     """A source file changed while its bytes were being read."""
 
@@ -95,3 +110,29 @@ class StoreError(ReshardError):
 
 class StoreUnavailableError(StoreError):
     """An object store or HTTP server could not be reached (connection refused, timeouts) after retries."""
+
+
+class MissingDependencyError(ReshardError):
+    """A feature needs a package that is not installed (torch, transformers): the error names the extra
+    that brings it."""
+
+
+# what `pip install 'reshard[EXTRA]'` brings, for each package a feature may need beyond the base install
+EXTRA_OF = {"torch": "train", "transformers": "train", "accelerate": "train"}
+
+
+def missing_dependency(module: str, what: str) -> MissingDependencyError:
+    """The one-line error for `what` needing the top-level package `module`, which is not installed."""
+    extra = EXTRA_OF.get(module)
+    fix = f"pip install 'reshard[{extra}]'" if extra else f"pip install {module}"
+    return MissingDependencyError(f"{what} needs {module}, which is not installed here; {fix}")
+
+
+def require(*modules: str, what: str) -> None:
+    """Raise `missing_dependency` for the first of the top-level packages `modules` that cannot be imported
+    (found without importing it)."""
+    import importlib.util
+
+    for module in modules:
+        if importlib.util.find_spec(module) is None:
+            raise missing_dependency(module, what)

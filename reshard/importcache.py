@@ -8,7 +8,8 @@ in every process that builds a model: each rank under torchrun, the launcher bef
 
 `install()`, called before transformers is imported, wraps
 `define_import_structure(module_path, prefix)` as its module is loaded (another signature is left
-alone). The result is kept on disk, as JSON, with the fingerprint of what it was computed from: every
+alone). The result is kept on disk, as JSON after a first line holding the fingerprint of what it was
+computed from (compared before the JSON is parsed; a record of any other shape is a miss): every
 path under the walked directory with each file's size and mtime in nanoseconds, and the same of
 `import_utils.py` itself (14 ms to take). A file installed, upgraded, edited or removed changes the
 fingerprint, and the tree is read again. Where the directory cannot be read or written, transformers
@@ -84,19 +85,48 @@ def cached(original: Callable[..., Structure], module_path: str | os.PathLike[st
     root = os.path.dirname(root) if os.path.isfile(root) else root
     try:
         fingerprint = _fingerprint(root, original)
-        configured = library_settings().import_cache_dir
-    except (OSError, ReshardError):  # a bad RESHARD_* value is said by what reads it, not by `import transformers`
+        key = hashlib.blake2b(f"{os.path.realpath(root)}\0{prefix}".encode(), digest_size=12).hexdigest()
+        dest = cache_dir("imports", library_settings().import_cache_dir) / f"transformers-{key}.json"
+    except (OSError, RuntimeError, KeyError, ReshardError):
+        # a bad RESHARD_* value is said by what reads it, not by `import transformers`; no home directory
+        # (RuntimeError from Path.home, KeyError from a missing passwd entry) is no cache
         return original(module_path, prefix)
-    key = hashlib.blake2b(f"{os.path.realpath(root)}\0{prefix}".encode(), digest_size=12).hexdigest()
-    dest = cache_dir("imports", configured) / f"transformers-{key}.json"
-    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
-        rec = json.loads(dest.read_bytes())
-        if rec["fingerprint"] == fingerprint:
-            return {frozenset(backends): {m: set(names) for m, names in modules.items()}
-                    for backends, modules in rec["structure"]}
+    found = _read(dest, fingerprint)
+    if found is not None:
+        return found
     result = original(module_path, prefix)
     _keep(dest, fingerprint, result)
     return result
+
+
+MAX_RECORD = 64 << 20  # transformers 5.24's structure is about 0.5 MB
+
+
+def _read(dest: Path, fingerprint: str) -> Structure | None:
+    """The structure recorded in `dest` for `fingerprint`; None (a miss) for a record that is absent, of
+    another fingerprint (compared before anything is parsed), too large, or not exactly the shape `_keep`
+    writes, whatever is wrong with it."""
+    head = f"{fingerprint}\n".encode()
+    try:
+        with open(dest, "rb") as f:
+            if os.fstat(f.fileno()).st_size > MAX_RECORD or f.read(len(head)) != head:
+                return None
+            rec = json.loads(f.read())
+        if not isinstance(rec, list):
+            return None
+        out: Structure = {}
+        for backends, modules in rec:
+            if not (isinstance(backends, list) and isinstance(modules, dict) and all(map(_is_names, modules.values()))
+                    and _is_names(backends)):
+                return None
+            out[frozenset(backends)] = {str(m): set(names) for m, names in modules.items()}
+        return out
+    except (OSError, ValueError, TypeError, RecursionError):
+        return None
+
+
+def _is_names(v: Any) -> bool:
+    return isinstance(v, list) and all(isinstance(x, str) for x in v)
 
 
 def _fingerprint(root: str, original: Callable[..., Any]) -> str:
@@ -130,7 +160,7 @@ def _keep(dest: Path, fingerprint: str, result: Any) -> None:
     try:
         structure = [[sorted(backends), {m: sorted(names) for m, names in modules.items()}]
                      for backends, modules in result.items()]
-        text = json.dumps({"fingerprint": fingerprint, "structure": structure})
+        text = f"{fingerprint}\n" + json.dumps(structure)
     except (AttributeError, TypeError, ValueError):
         return
     tmp = dest.with_name(f".{dest.name}.{os.getpid()}")

@@ -75,6 +75,8 @@ class LibrarySettings:
     t0: float = _field(0.0, "the launch time (seconds since the epoch) a rank counts its start-up from (the "
                        "trainer's time to the first step); `reshard launch` sets it unless set; 0: the process's "
                        "start", ge=0)
+    prefetch_timeout: float = _field(300.0, "seconds a rank waits for the shard `reshard launch --prefetch` "
+                                     "fetches for it; then the fetch is stopped and the rank pulls it itself", gt=0)
     prefetch: str = _field("", "set by `reshard launch --prefetch` in each rank it forks: where the rank finds the "
                            "shard its fetcher pulls (JSON, reshard.io.client.shard_prefetch); taken once")
     supervisor_pid: int = _field(0, "set by `reshard serve --workers N` in each worker: the supervisor's pid, "

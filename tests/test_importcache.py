@@ -132,7 +132,8 @@ def test_a_changed_tree_is_read_again(tmp_path: Path, monkeypatch: pytest.Monkey
     record = next((tmp_path / "cache").iterdir())
     record.write_text("{not json")
     check(want, computed=True)
-    assert json.loads(record.read_text())["fingerprint"]  # kept again
+    fingerprint, _, body = record.read_text().partition("\n")
+    assert len(fingerprint) == 32 and json.loads(body)  # kept again: the fingerprint line, then the JSON
 
 
 @pytest.mark.pure
@@ -145,6 +146,40 @@ def test_a_cache_that_cannot_be_written_changes_nothing(tmp_path: Path, monkeypa
     for _ in range(2):
         assert importcache.cached(structure, pkg, None) == structure(pkg, None)
     assert structure.calls == 4 and blocker.read_text() == ""
+
+
+@pytest.mark.pure
+def test_any_malformed_record_or_no_home_is_a_miss(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                   structure: Any) -> None:
+    """Records of the right fingerprint but the wrong shape (deeply nested, wrongly typed, empty, not a
+    list) and records past the size cap (never parsed) are misses; so is a cache with no home directory."""
+    monkeypatch.setenv(importcache.DIR_ENV, str(tmp_path / "cache"))
+    pkg = _tree(tmp_path)
+    want = structure(pkg, "p")
+    assert importcache.cached(structure, pkg, "p") == want
+    record = next((tmp_path / "cache").iterdir())
+    head = record.read_text().partition("\n")[0] + "\n"
+    bodies = ["[" * 100_000, '[[["torch"], {"m": [1, 2]}]]', '[[["torch"], ["m"]]]', "", "{}", "[1]", '[["a", {}]]',
+              '[[["torch"], {"m": ["X"]}, 3]]']
+    for body in bodies:
+        record.write_text(head + body)
+        before = structure.calls
+        assert importcache.cached(structure, pkg, "p") == want, body[:40]
+        assert structure.calls == before + 1, body[:40]  # computed again: a miss
+    parsed = []
+    monkeypatch.setattr(importcache, "MAX_RECORD", 64)
+    monkeypatch.setattr(importcache.json, "loads", lambda *a, **k: parsed.append(a) or json.loads(*a, **k))
+    assert importcache.cached(structure, pkg, "p") == want and parsed == []  # larger than the cap: not parsed
+    monkeypatch.undo()
+    monkeypatch.delenv(importcache.DIR_ENV, raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.delenv("HOME", raising=False)
+
+    def no_home() -> Path:
+        raise RuntimeError("Could not determine home directory.")
+
+    monkeypatch.setattr(Path, "home", staticmethod(no_home))
+    assert importcache.cached(structure, pkg, "p") == want
 
 
 @pytest.mark.pure

@@ -9,11 +9,11 @@ JSON is owned by `reshard.trainer.state_json`, a layer above `reshard.io`; torch
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 from pathlib import Path
 from typing import Any
 
+from reshard.cli.common import add_json_flag, command, log, print_json
+from reshard.cli.remote import is_service_url, meta_here, plan_from_service, pull_here, write_from_service
 from reshard.errors import CheckpointError, PlanError
 from reshard.format.rank_file import OPTIMIZER_DIR, rank_file_name
 from reshard.io.progress import add_progress_flags, human
@@ -22,7 +22,7 @@ from reshard.io.source.opener import open_source
 from reshard.io.source.stores import is_url
 from reshard.layout.mesh import DIMENSIONS, Layout
 from reshard.plan.planner import make_plan
-from reshard.plan.types import Plan, plan_to_json
+from reshard.plan.types import Plan, plan_head, plan_to_json
 from reshard.rules.engines import known_engines
 
 
@@ -39,7 +39,7 @@ def _plan(args: argparse.Namespace, *, lazy: bool = False, source: str | Path | 
     ranks = parse_ranks(args.ranks) if getattr(args, "ranks", None) else None
     plan = make_plan(ckpt, manifest, layout_of(args), ranks=ranks, strict=args.strict, lazy=lazy)
     for w in plan.warnings:
-        print(f"reshard: warning: {w}", file=sys.stderr)
+        log.warning("%s", w)
     return ckpt, plan
 
 
@@ -50,6 +50,16 @@ def optimizer_dir(checkpoint: str | Path) -> Path | None:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    if is_service_url(args.checkpoint):
+        info, out = plan_from_service(args.checkpoint, layout_of(args), args, tensors=args.json)
+        for w in out.get("warnings", ()):
+            log.warning("%s", w)
+        if args.json:
+            print_json(out)
+            return 0
+        _print_plan(f"{args.checkpoint} ({len(info['tensors'])} tensors, {human(info['total_bytes'])})", out,
+                    out["ranks"], {})
+        return 0
     ckpt, plan = _plan(args, lazy=not args.json)  # the summary visits each rank once
     moments = optimizer_dir(args.checkpoint)
     oplan = _plan(args, lazy=not args.json, source=moments)[1] if moments is not None else None
@@ -60,38 +70,56 @@ def cmd_plan(args: argparse.Namespace) -> int:
             out["optimizer"] = plan_to_json(oplan, tensors=True)
             for entry in out["ranks"]:
                 entry["optimizer_bytes"] = opt[entry["rank"]]
-        json.dump(out, sys.stdout, indent=2)
-        print()
+        print_json(out)
         return 0
-    print(f"checkpoint: {ckpt.root} ({len(ckpt.tensors)} tensors, {human(ckpt.total_bytes())})")
-    print(f"manifest:   {plan.manifest.source}")
-    world = f" ({plan.world} ranks)" if not plan.layout.tp_only else ""
-    print(f"{plan.layout.describe()}{world}  plan {plan.digest[:16]}")
+    _print_plan(f"{ckpt.root} ({len(ckpt.tensors)} tensors, {human(ckpt.total_bytes())})", plan_head(plan),
+                ({"rank": rp.rank, **rp.stats()} for rp in plan.ranks), opt)
+    return 0
+
+
+def _print_plan(checkpoint: str, head: dict[str, Any], ranks: Any, opt: dict[int, int]) -> None:
+    """The plan as a table: one line per rank (`ranks`: `plan_to_json`'s entries, or their stats)."""
+    layout = Layout.from_sizes({**(head.get("layout") or {}), "tp": head["tp"]})
+    print(f"checkpoint: {checkpoint}")
+    print(f"manifest:   {head['manifest_source']}")
+    world = f" ({layout.world} ranks)" if not layout.tp_only else ""
+    print(f"{layout.describe()}{world}  plan {head['plan'][:16]}")
     extra = f" {'optimizer':>12}" if opt else ""
     print(f"{'rank':>5} {'tensors':>8} {'bytes out':>12} {'replicated':>12} {'bytes read':>12}{extra}")
-    for rp in plan.ranks:
-        s = rp.stats()
-        more = f" {human(opt[rp.rank]):>12}" if opt else ""
-        print(f"{rp.rank:>5} {s['tensors']:>8} {human(s['bytes']):>12} {human(s['replicated_bytes']):>12} "
+    for s in ranks:
+        count = s["tensors"] if isinstance(s["tensors"], int) else len(s["tensors"])
+        more = f" {human(opt[s['rank']]):>12}" if opt else ""
+        print(f"{s['rank']:>5} {count:>8} {human(s['bytes']):>12} {human(s['replicated_bytes']):>12} "
               f"{human(s['bytes_read']):>12}{more}")
     if opt:
         print(f"training checkpoint: optimizer (AdamW's exp_avg, exp_avg_sq) {human(sum(opt.values()))} in "
               f"{OPTIMIZER_DIR}/, cut like the parameters")
-    return 0
 
 
 def cmd_write(args: argparse.Namespace) -> int:
+    ranks = parse_ranks(args.ranks) if args.ranks else None
+    if is_service_url(args.checkpoint):
+        record = write_from_service(args.checkpoint, layout_of(args), args.out, args, ranks=ranks)
+        return _report_write(args, record, record["manifest"]["source"])
     moments = optimizer_dir(args.checkpoint)
     state = _begin_training_write(args) if moments is not None else None
     ckpt, plan = _plan(args)
-    record = write_shards(ckpt, plan, args.out, progress=args.progress)  # a directory, or a store prefix
-    total = sum(f["size"] for f in record["files"].values())
-    if moments is not None and state is not None:
-        total += _write_training_rest(args, moments, record, state)
+    record = write_shards(ckpt, plan, args.out, progress=args.progress, force=args.force)  # a directory, or a store prefix
+    extra = _write_training_rest(args, moments, record, state) if moments is not None and state is not None else 0
+    return _report_write(args, record, plan.manifest.source, extra=extra)
+
+
+def _report_write(args: argparse.Namespace, record: dict[str, Any], manifest: str, *, extra: int = 0) -> int:
+    """What `write` wrote: a line, or with --json the record (`reshard.json`'s content, `kept`, `written`)."""
+    total = sum(f["size"] for f in record["files"].values()) + extra
+    if args.json:
+        print_json({"out": str(args.out), "bytes": total, **{k: v for k, v in record.items() if k != "config"}})
+        return 0
     where = args.out if is_url(args.out) else Path(args.out)
     done = ", ".join(f"{rank_list(record[k])} {k}" for k in ("kept", "written") if record.get(k))
-    print(f"wrote {len(plan.ranks)} rank files ({human(total)} in {where}{': ' + done if done else ''}), "
-          f"manifest: {plan.manifest.source}")
+    count = len(record["kept"]) + len(record["written"]) if "written" in record else len(record["files"])
+    print(f"wrote {count} rank files ({human(total)} in {where}{': ' + done if done else ''}), "
+          f"manifest: {manifest}")
     return 0
 
 
@@ -125,14 +153,15 @@ def _write_training_rest(args: argparse.Namespace, moments: Path, record: dict[s
 
     out = Path(args.out)
     ockpt, oplan = _plan(args, source=moments)
-    orecord = write_shards(ockpt, oplan, out / OPTIMIZER_DIR, progress=args.progress)
+    orecord = write_shards(ockpt, oplan, out / OPTIMIZER_DIR, progress=args.progress, force=args.force)
     files = {**{k: f["sha256"] for k, f in record["files"].items()},
              **{f"{OPTIMIZER_DIR}/{k}": f["sha256"] for k, f in orecord["files"].items()}}
     layout, step, seed = oplan.layout, int(state["step"]), int(state["extra"].get("seed", 0))
     write_json_atomic(out / STATE_NAME, relaid_state(state, layout=layout, files=files, rng=[
         seeded_rng(reseed(seed, step, r)) for r in range(layout.world)]))
-    print(f"training checkpoint at step {step}: optimizer re-laid out too, {STATE_NAME} for {layout.describe()} "
-          "(each rank's RNG reseeded from (seed, step, rank))")
+    if not args.json:  # a result of the write, as its last line is
+        print(f"training checkpoint at step {step}: optimizer re-laid out too, {STATE_NAME} for {layout.describe()} "
+              "(each rank's RNG reseeded from (seed, step, rank))")
     return sum(f["size"] for f in orecord["files"].values())
 
 
@@ -160,33 +189,52 @@ def layout_of(args: argparse.Namespace) -> Layout:
     return Layout.from_sizes(args)
 
 
+SOURCE_HELP = ("checkpoint: a directory (or .safetensors file, or directory of rank files), a store URL "
+               "(s3://BUCKET/PREFIX, gs://..., hf://ORG/MODEL, http(s)://HOST/PATH/ of a static server) or the "
+               "service's checkpoint URL http://HOST:PORT/v1/checkpoints/NAME")
+
+
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("checkpoint", help="checkpoint directory, .safetensors file, or directory of rank shards; "
-                   "or a URL: s3://BUCKET/PREFIX, gs://..., http(s)://HOST/PATH/, hf://ORG/MODEL")
+    p.add_argument("checkpoint", help=SOURCE_HELP)
     add_layout_flags(p)
-    p.add_argument("--rules", help="rule manifest (YAML/JSON); default: reshard-rules.yaml beside it, else config.json")
+    p.add_argument("--rules", help="rule manifest (YAML/JSON); default: reshard-rules.yaml beside it, else config.json. "
+                   "From the service: the label of a manifest stored there")
     p.add_argument("--strict", action="store_true", help="rules that match no tensor are errors")
     p.add_argument("--engine", choices=known_engines(),
                    help="cut each rank the way an inference engine holds it (vllm: its vocabulary split; docs/vllm.md)")
+    p.add_argument("--token", help="the service's bearer token (default $RESHARD_TOKEN)")
 
 
 def add_commands(sub: Any) -> None:
-    p = sub.add_parser("plan", help="dry run: what every rank file will contain, from headers alone")
+    p = command(sub, "plan", help="dry run: what every rank file will contain, from headers alone", examples_=(
+        "reshard plan ckpt/ --tp 4",
+        "reshard plan ckpt/ --tp 2 --fsdp 2 --json | jq '.ranks[0].tensors[0]'",
+        "reshard plan s3://bucket/llama --tp 8 --rules rules.yaml",
+        "reshard plan http://127.0.0.1:8000/v1/checkpoints/llama --tp 4"))
     _common(p)
-    p.add_argument("--json", action="store_true", help="print the full plan as JSON")
+    add_json_flag(p, "the full plan (every rank's tensors, offsets and source slices)")
     p.set_defaults(func=cmd_plan)
-    p = sub.add_parser("write", help="write per-rank safetensors files (atomic) and reshard.json")
+    p = command(sub, "write", help="write per-rank safetensors files (atomic) and reshard.json", examples_=(
+        "reshard write ckpt/ --tp 4 -o shards/",
+        "reshard write ckpt/ --tp 4 --ranks 0,1 -o shards/        # only some ranks",
+        "reshard write shards/ --tp 2 -o shards-tp2/               # re-lay rank files out",
+        "reshard write ckpt/ --tp 4 -o s3://bucket/llama-tp4/",
+        "reshard write http://127.0.0.1:8000/v1/checkpoints/llama --tp 4 -o shards/"))
     _common(p)
-    p.add_argument("-o", "--out", required=True, help="output directory, or s3://BUCKET/PREFIX (multipart uploads)")
+    p.add_argument("-o", "--out", required=True,
+                   help="output directory (made, with its parents, if missing; removed again if nothing was written), "
+                   "or s3://BUCKET/PREFIX (multipart uploads)")
     p.add_argument("--ranks", help="only these ranks, e.g. 0,2")
+    p.add_argument("--force", action="store_true",
+                   help="replace rank files of another layout in the output (removed first), or write rank files "
+                   "beside the source checkpoint's own weights")
+    add_json_flag(p, "what was written (files, sizes, sha256, plan)")
     add_progress_flags(p)
     p.set_defaults(func=cmd_write)
     _add_pull(sub)
 
 
 def cmd_pull(args: argparse.Namespace) -> int:
-    from reshard.io.client.shard_client import ShardClient  # httpx only when pulling
-
     if args.meta:
         return _pull_meta(args)
     layout = layout_of(args)
@@ -194,44 +242,66 @@ def cmd_pull(args: argparse.Namespace) -> int:
         raise PlanError("reshard pull: give --rank (and the layout: --tp ...) for a rank's shard, or --meta -o DIR "
                         "(config and tokenizer)")
     layout.check_rank(args.rank)
-    with ShardClient(args.url, token=args.token, retries=args.retries, rules=args.rules, engine=args.engine) as client:
-        out = args.out or rank_file_name(args.rank, layout.world)
-        result = client.pull(args.rank, layout if not layout.tp_only else layout.tp, out, progress=args.progress,
-                             resume=not args.no_resume)
+    out = Path(args.out or rank_file_name(args.rank, layout.world))
+    if is_service_url(args.url):
+        from reshard.io.client.shard_client import ShardClient  # httpx only when pulling from the service
+
+        with ShardClient(args.url, token=args.token, retries=args.retries, rules=args.rules, engine=args.engine) as client:
+            result = client.pull(args.rank, layout if not layout.tp_only else layout.tp, out, progress=args.progress,
+                                 resume=not args.no_resume)
+    else:
+        result = pull_here(args.url, args.rank, layout, out, args)
+    if args.json:
+        print_json({**result, "tp": layout.tp, "layout": layout.sizes()})
+        return 0
     if result.get("kept"):
         print(f"rank {args.rank} of {layout.describe()} is already in place: {human(result['size'])}, "
-              f"sha256 {result['sha256'][:16]}... verified, nothing downloaded -> {result['path']}", file=sys.stderr)
+              f"sha256 {result['sha256'][:16]}... verified, nothing downloaded -> {result['path']}")
         return 0
     resumed = f", resumed at {human(result['resumed_from'])}" if result["resumed_from"] else ""
     print(f"pulled rank {args.rank} of {layout.describe()}: {human(result['size'])}{resumed}, "
-          f"sha256 {result['sha256'][:16]}... -> {result['path']}", file=sys.stderr)
+          f"sha256 {result['sha256'][:16]}... -> {result['path']}")
     return 0
 
 
 def _pull_meta(args: argparse.Namespace) -> int:
-    from reshard.io.client.shard_client import ShardClient
-
     if not args.out:
         raise PlanError("reshard pull --meta: give the directory to copy the files into with -o DIR")
-    with ShardClient(args.url, token=args.token, retries=args.retries) as client:
-        files = client.pull_meta(args.out)
+    if is_service_url(args.url):
+        from reshard.io.client.shard_client import ShardClient
+
+        with ShardClient(args.url, token=args.token, retries=args.retries) as client:
+            files = client.pull_meta(args.out)
+    else:
+        files = meta_here(args.url, Path(args.out))
+    if args.json:
+        print_json({"out": str(args.out), "files": files})
+        return 0
     names = ", ".join(f["name"] for f in files) or "none"
-    print(f"pulled {len(files)} small files ({names}) -> {args.out}", file=sys.stderr)
+    print(f"pulled {len(files)} small files ({names}) -> {args.out}")
     return 0
 
 
 def _add_pull(sub: Any) -> None:
-    p = sub.add_parser("pull", help="download one rank shard from `reshard serve` (resumable, verified)")
-    p.add_argument("url", help="checkpoint URL, http://HOST:PORT/v1/checkpoints/NAME")
+    p = command(sub, "pull", help="one rank's shard into a file: downloaded from `reshard serve` (resumable, verified), "
+                "or cut here from a path or store", examples_=(
+                    "reshard pull http://127.0.0.1:8000/v1/checkpoints/llama --tp 4 --rank 1",
+                    "reshard pull http://127.0.0.1:8000/v1/checkpoints/llama --tp 4 --rank 1 -o shards/rank1.safetensors",
+                    "reshard pull http://127.0.0.1:8000/v1/checkpoints/llama --meta -o model-files/",
+                    "reshard pull ckpt/ --tp 2 --rank 0 --json"))
+    p.add_argument("url", metavar="checkpoint", help=SOURCE_HELP)
     p.add_argument("--rank", type=int, help="global rank, 0..world-1")
     add_layout_flags(p)
     p.add_argument("--meta", action="store_true",
                    help="instead of a shard: the checkpoint's config.json, tokenizer and generation config into -o DIR")
     p.add_argument("--engine", choices=known_engines(), help="a shard cut the way an engine holds it (docs/vllm.md)")
-    p.add_argument("-o", "--out", help="output file (default rank-RRRRR-of-WWWWW.safetensors); with --meta a directory")
+    p.add_argument("-o", "--out", help="output file (default rank-RRRRR-of-WWWWW.safetensors; its folder is made, with its "
+                   "parents, if missing, as `write -o` makes its own); with --meta a directory")
     p.add_argument("--token", help="bearer token (default $RESHARD_TOKEN)")
-    p.add_argument("--rules", help="label of a manifest stored on the server")
-    p.add_argument("--retries", type=int, default=5, help="tries after a failure without progress (default 5)")
+    p.add_argument("--rules", help="from the service: the label of a manifest stored there; else a rules file")
+    p.add_argument("--retries", type=int, default=5, help="tries after a failure without progress (default 5), "
+                   "each announced on stderr")
     p.add_argument("--no-resume", action="store_true", help="ignore a partial download left by an earlier try")
+    add_json_flag(p)
     add_progress_flags(p)
     p.set_defaults(func=cmd_pull)

@@ -19,6 +19,8 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from reshard.cli.common import add_json_flag, command, print_json
+from reshard.cli.serve import check_port
 from reshard.errors import ReshardError
 from reshard.format.checkpoint import Checkpoint
 from reshard.io.progress import human
@@ -41,8 +43,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+OUT = sys.stdout  # where the demo's account goes: stdout, or stderr under --json (stdout is the JSON summary then)
+
+
+def say(msg: str = "") -> None:
+    print(msg, file=OUT, flush=True)
+
+
 def step(msg: str) -> None:
-    print(f"==> {msg}", flush=True)
+    say(f"==> {msg}")
 
 
 @contextmanager
@@ -103,6 +112,8 @@ def verify_merge(original: Path, trained: Path, merged: Path) -> int:
     import torch
     from safetensors import safe_open
 
+    from reshard.format.torch_side import TORCH_DTYPES
+
     src, out = Checkpoint.open(original), Checkpoint.open(merged)
     if set(src.tensors) != set(out.tensors):
         raise DemoError(f"merged names differ from the original: {sorted(set(src.tensors) ^ set(out.tensors))[:3]}")
@@ -116,9 +127,19 @@ def verify_merge(original: Path, trained: Path, merged: Path) -> int:
             got = f.get_tensor(name).double()
         if tuple(got.shape) != src.tensors[name].shape or not torch.equal(got, full):
             raise DemoError(f"merged {name} does not match the trained rank shards")
-    if out.config != src.config:
-        raise DemoError("merged config.json differs from the original")
+    # the trainer saves in the dtype it trained in, and its config.json says which (trainer.build.with_dtype)
+    stored = {str(TORCH_DTYPES[t.dtype]).removeprefix("torch.") for t in out.tensors.values()}
+    named = {out.config[k] for k in DTYPE_KEYS if k in out.config}
+    if _but_dtype(out.config) != _but_dtype(src.config) or not named <= stored:
+        raise DemoError(f"merged config.json differs from the original (its dtype {sorted(named)}, tensors {sorted(stored)})")
     return len(out.tensors)
+
+
+DTYPE_KEYS = ("dtype", "torch_dtype")
+
+
+def _but_dtype(config: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in config.items() if k not in DTYPE_KEYS}
 
 
 def ascii_plot(values: list[float], width: int = 60, height: int = 10) -> str:
@@ -153,7 +174,9 @@ def save_png(values: list[float], path: Path) -> Path | None:
     return path
 
 
-def run_demo(workdir: Path, *, steps: int, tp: int, preset: str, seq_len: int, batch_size: int) -> dict[str, Any]:
+def run_demo(workdir: Path, *, steps: int, tp: int, preset: str, seq_len: int, batch_size: int, port: int = 0,
+             log_level: str | None = None) -> dict[str, Any]:
+    """The demo in `workdir`; the service on `port` (0: a free one), at uvicorn's `log_level`."""
     import torch
 
     from reshard.testing.synth import make_checkpoint, preset_config
@@ -166,14 +189,15 @@ def run_demo(workdir: Path, *, steps: int, tp: int, preset: str, seq_len: int, b
     step(f"1/6 generating a random-weight {preset} Llama checkpoint in {ckpt}")
     make_checkpoint(ckpt, preset_config(preset), dtype=torch.bfloat16, num_files=2, seed=0)
     full_bytes = Checkpoint.open(ckpt).total_bytes()
-    print(f"    {human(full_bytes)} of tensors in 2 files + index.json; config.json carries base_model_tp_plan")
-    port = free_port()
+    say(f"    {human(full_bytes)} of tensors in 2 files + index.json; config.json carries base_model_tp_plan")
+    port = port or free_port()
     base = f"http://127.0.0.1:{port}"
     with ExitStack() as stack:
         step(f"2/6 starting the service on {base} (log: {logs / 'serve.log'})")
         serve = stack.enter_context(process(
             [sys.executable, "-m", "reshard.cli", "serve", "--root", str(ckpt_root), "--host", "127.0.0.1",
-             "--port", str(port), "--out", str(workdir / "jobs")], log=logs / "serve.log"))
+             "--port", str(port), "--out", str(workdir / "jobs"), *(["--log-level", log_level] if log_level else [])],
+            log=logs / "serve.log"))
         wait_healthy(base, serve, logs / "serve.log")
         url = f"{base}/v1/checkpoints/{NAME}"
         step(f"3/6 torchrun: {tp} ranks pull their own shards from {url} and train {steps} steps")
@@ -182,7 +206,7 @@ def run_demo(workdir: Path, *, steps: int, tp: int, preset: str, seq_len: int, b
                "--master-port", str(free_port()), "-m", "reshard.cli.train", "--shards", url, "--steps", str(steps),
                "--seq-len", str(seq_len), "--batch-size", str(batch_size), "--save", str(trained),
                "--metrics", str(workdir / "metrics.json")]
-        train = stack.enter_context(process(cmd, env=env))
+        train = stack.enter_context(process(cmd, env=env, log=None if OUT is sys.stdout else logs / "train.log"))
         if train.wait() != 0:
             raise DemoError(f"the torchrun job failed with exit status {train.returncode}")
     step(f"4/6 merging the trained tp={tp} shards into {merged}")
@@ -195,28 +219,43 @@ def run_demo(workdir: Path, *, steps: int, tp: int, preset: str, seq_len: int, b
     step("6/6 summary")
     per_rank = metrics["shard_bytes_per_rank"]
     for r, n in enumerate(per_rank):
-        print(f"    rank {r} pulled {human(n)} = {n / full_bytes:.1%} of the {human(full_bytes)} checkpoint")
-    print(f"    time to first step: {metrics['time_to_first_step_s']:.2f} s (launch to model filled: {metrics['load_s']:.2f} s)")
-    print(f"    loss: first {losses[0]:.4f}, last {losses[-1]:.4f} over {len(losses)} steps")
-    print(ascii_plot(losses))
-    print(f"    merged checkpoint verified: {count} tensors, in {merged}")
-    print(f"    outputs: {ckpt} (source), {trained} (trained shards), {merged} (merged), "
+        say(f"    rank {r} pulled {human(n)} = {n / full_bytes:.1%} of the {human(full_bytes)} checkpoint")
+    say(f"    time to first step: {metrics['time_to_first_step_s']:.2f} s (launch to model filled: {metrics['load_s']:.2f} s)")
+    say(f"    loss: first {losses[0]:.4f}, last {losses[-1]:.4f} over {len(losses)} steps")
+    say(ascii_plot(losses))
+    say(f"    merged checkpoint verified: {count} tensors, in {merged}")
+    say(f"    outputs: {ckpt} (source), {trained} (trained shards), {merged} (merged), "
           f"{workdir / 'metrics.json'}{', ' + str(png) if png else ''}")
     return {**metrics, "full_bytes": full_bytes, "merged": str(merged), "verified_tensors": count}
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    run_demo(Path(args.workdir), steps=args.steps, tp=args.tp, preset=args.preset, seq_len=args.seq_len,
-             batch_size=args.batch_size)
+    global OUT
+    if args.port is not None:
+        check_port("127.0.0.1", args.port)
+    OUT = sys.stderr if args.json else sys.stdout
+    try:
+        summary = run_demo(Path(args.workdir), steps=args.steps, tp=args.tp, preset=args.preset, seq_len=args.seq_len,
+                           batch_size=args.batch_size, port=args.port or 0, log_level=args.log_level)
+    finally:
+        OUT = sys.stdout
+    if args.json:
+        print_json(summary)
     return 0
 
 
 def add_commands(sub: Any) -> None:
-    p = sub.add_parser("demo", help="end to end: generate, serve, train under torchrun, merge, verify")
+    p = command(sub, "demo", help="end to end: generate, serve, train under torchrun, merge, verify", examples_=(
+        "reshard demo                                  # ./reshard-demo, a free port, 30 steps at tp=2",
+        "reshard demo --port 8000 --steps 10 --workdir /tmp/demo",
+        "reshard demo --preset tiny --steps 5 --json > summary.json"))
     p.add_argument("--workdir", default="reshard-demo", help="where everything goes (default ./reshard-demo)")
+    p.add_argument("--port", type=int, default=None, help="the service's port on 127.0.0.1 (default: a free one)")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--preset", default="demo", help="model size: demo (34M parameters) or tiny")
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--batch-size", type=int, default=8)
+    add_json_flag(p, "the summary (losses, timings, bytes pulled per rank, the merged checkpoint); the account "
+                  "of each step goes to stderr, the trainer's lines to WORKDIR/logs/train.log")
     p.set_defaults(func=cmd_demo)

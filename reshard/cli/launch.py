@@ -65,7 +65,9 @@ import traceback
 from typing import Any
 
 from reshard import enable_import_cache
-from reshard.errors import ReshardError
+from reshard.cli.common import HelpFormatter, add_common_flags, command, examples, setup_logging
+from reshard.errors import ReshardError, require
+from reshard.io.owners import die_with
 from reshard.settings import env_name
 
 PROG = "reshard launch"
@@ -183,7 +185,7 @@ def run_rank(args: argparse.Namespace, env: dict[str, str], launcher: int) -> No
     code = 1
     try:
         os.setpgid(0, 0)
-        _die_with(launcher)
+        die_with(launcher)
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD):
             signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
         gc.enable()
@@ -215,16 +217,6 @@ def _reseed() -> None:
         torch.default_generator.seed()
     if numpy is not None:
         numpy.random.seed()
-
-
-def _die_with(launcher: int) -> None:
-    """SIGTERM this process when the launcher dies (Linux); exit now if it already has."""
-    with contextlib.suppress(Exception):
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
-    if os.getppid() != launcher:
-        os._exit(128 + signal.SIGTERM)
 
 
 def _exit_code(code: Any) -> int:
@@ -289,11 +281,31 @@ class Ranks:
         return 128 + self.signalled if self.signalled is not None else code
 
 
+def check_target(args: argparse.Namespace) -> None:
+    """Before anything is imported or forked: the script or module exists, and what the trainer or `--preload`
+    needs is installed (else each rank would print its own traceback)."""
+    if args.module:
+        try:
+            found = importlib.util.find_spec(args.target) is not None
+        except (ImportError, ValueError):  # a parent package that is missing, or an empty name
+            found = False
+        if not found:
+            raise ReshardError(f"-m {args.target}: no such module here; check its name (and that its package is "
+                               "installed or in the current directory)")
+    elif not os.path.isfile(args.target):
+        raise ReshardError(f"{args.target}: no such script; give the path of a Python file (or -m MODULE)")
+    if args.module and args.target == TRAINER:
+        require("torch", "transformers", what=f"the trainer ({PROG} -m {TRAINER})")
+    elif args.preload and not args.no_preload:
+        require("torch", "transformers", what=f"{PROG} --preload")
+
+
 def launch(args: argparse.Namespace) -> int:
     """Preload, fork `--nproc-per-node` ranks, supervise them; the exit status."""
     if args.nproc_per_node < 1 or args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
         raise ReshardError(f"--nproc-per-node {args.nproc_per_node} --nnodes {args.nnodes} --node-rank "
                            f"{args.node_rank}: need at least one rank and node, and 0 <= node rank < nodes")
+    check_target(args)
     enable_import_cache()  # before the preload imports transformers; the ranks inherit what it imported
     os.environ.setdefault(env_name("t0"), repr(time.time()))
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # as torchrun does; read by the ranks' thread pools
@@ -332,20 +344,30 @@ def cmd_launch(args: argparse.Namespace) -> int:
     return launch(args)
 
 
+EXAMPLES = ("reshard launch --nproc-per-node 2 -m reshard.cli.train --shards http://127.0.0.1:8000/v1/checkpoints/llama",
+            "reshard launch --nproc-per-node 4 --preload shards/ worker.py --steps 10",
+            "reshard launch --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 --master-port 29500 --nproc-per-node 8 train.py")
+
+
 def add_commands(sub: Any) -> None:
-    p = sub.add_parser("launch", help="start the ranks of a node, forked after importing torch and transformers once "
-                       "(torchrun's environment)")
+    p = command(sub, "launch", help="start the ranks of a node, forked after importing torch and transformers once "
+                "(torchrun's environment)", examples_=EXAMPLES)
     add_arguments(p)
     p.set_defaults(func=cmd_launch)
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0], epilog=examples(*EXAMPLES),
+                                formatter_class=HelpFormatter)
+    add_common_flags(p, top=True)
     add_arguments(p)
     args = p.parse_args(argv)
+    setup_logging(args.log_level)
     try:
         return launch(args)
     except ReshardError as e:
+        if args.debug:
+            raise
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 1
 

@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
+import socket
 from typing import Any
 
+from reshard.cli.common import command
 from reshard.errors import ReshardError
 
 
@@ -19,7 +22,7 @@ def _settings(args: argparse.Namespace) -> Any:
 
     flags = {
         "root": args.root, "host": args.host, "port": args.port, "token": args.token, "out": args.out,
-        "max_upload_bytes": args.max_upload_bytes, "chunk_size": args.chunk_size, "log_level": args.log_level,
+        "max_upload_bytes": args.max_upload_bytes, "chunk_size": args.chunk_size, "log_level": getattr(args, "log_level", None),  # uvicorn's
         "public_docs": args.public_docs, "workers": args.workers, "zero_copy": args.zero_copy,
         "gather_cache": args.gather_cache, "store_cache": args.store_cache, "store_cache_dir": args.store_cache_dir,
         "max_header_bytes": args.max_header_bytes,
@@ -29,12 +32,51 @@ def _settings(args: argparse.Namespace) -> Any:
     try:
         return Settings(**{k: v for k, v in flags.items() if v is not None})
     except ValidationError as e:
-        problems = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'settings'}: {err['msg']}" for err in e.errors())
+        errors = e.errors()
+        if any(err["type"] == "missing" and tuple(err["loc"]) == ("root",) for err in errors):
+            raise ReshardError("serve: no folder of checkpoints given; pass --root DIR (or set RESHARD_ROOT=DIR), "
+                               "a directory whose subdirectories are checkpoints, or a store prefix (s3://...)") from None
+        problems = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'settings'}: {err['msg']}" for err in errors)
         raise ReshardError(f"serve: {problems} (flags or RESHARD_* environment variables)") from None
+
+
+class CannotServe(ReshardError):
+    """`reshard serve` cannot start where it was told to: exit status 3, as when uvicorn cannot bind."""
+
+    exit_status = 3
+
+
+def check_port(host: str, port: int) -> None:
+    """One line, before uvicorn starts, when `host:port` cannot be bound (in use, not this machine's address,
+    privileged): uvicorn would only log `[Errno 98]`. Bound as uvicorn binds (SO_REUSEADDR), then released."""
+    if port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise CannotServe(f"serve: --host {host}: {e.strerror}; give an address of this machine, e.g. 127.0.0.1 or "
+                           "0.0.0.0") from None
+    family, _, _, _, addr = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(addr)
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise CannotServe(f"serve: port {port} on {host} is in use (another reshard serve?); pick a free one "
+                                   "with --port N (or RESHARD_PORT), or stop what holds it") from None
+            if e.errno == errno.EACCES:
+                raise CannotServe(f"serve: port {port} needs privileges this user lacks; pick one above 1023 with "
+                                   "--port N") from None
+            if e.errno == errno.EADDRNOTAVAIL:
+                raise CannotServe(f"serve: --host {host} is not an address of this machine; give 127.0.0.1 (this "
+                                   "machine only) or 0.0.0.0 (every interface)") from None
+            raise CannotServe(f"serve: cannot bind {host}:{port}: {e.strerror}; pick another --host or --port") from None
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     settings = _settings(args)
+    check_port(settings.host, settings.port)
     if settings.workers > 1:
         from reshard.service.process.workers import serve_workers
 
@@ -56,8 +98,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def add_commands(sub: Any) -> None:
-    p = sub.add_parser("serve", help="serve rank shards of the checkpoints under a root over HTTP",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = command(sub, "serve", help="serve rank shards of the checkpoints under a root over HTTP", description=__doc__,
+                examples_=("reshard serve --root checkpoints/                    # http://127.0.0.1:8000/docs",
+                           "reshard serve --root checkpoints/ --port 9000 --token SECRET --host 0.0.0.0",
+                           "RESHARD_ROOT=checkpoints/ reshard serve --workers 4 --log-level warning",
+                           "reshard serve --root s3://bucket/models"))
     p.add_argument("--root", help="directory whose subdirectories are checkpoints (env RESHARD_ROOT)")
     p.add_argument("--host", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="port (default 8000)")
@@ -86,10 +131,10 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--worker-healthcheck-timeout", type=float, metavar="SECONDS",
                    help="with --workers N: a worker that does not answer the supervisor's ping within it is "
                         "killed and replaced (default 30)")
-    p.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug", "trace"])
-    p.add_argument("--public-docs", action="store_true", default=None, help="/docs without the token")
+    p.add_argument("--public-docs", action="store_true", default=None,
+                   help="the API page (/docs, /redoc) and /openapi.json without the token")
     p.add_argument("--no-access-log", action="store_true", help="do not log every request")
     p.set_defaults(func=cmd_serve)
 
 
-__all__ = ["ReshardError", "add_commands", "cmd_serve"]
+__all__ = ["CannotServe", "ReshardError", "add_commands", "check_port", "cmd_serve"]

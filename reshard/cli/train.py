@@ -19,11 +19,17 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.distributed as dist
+from reshard.errors import ReshardError, missing_dependency, require
+
+try:
+    import torch
+    import torch.distributed as dist
+except ModuleNotFoundError as e:  # run as the trainer without torch: one line, not a traceback
+    if __name__ != "__main__" or e.name != "torch":
+        raise
+    sys.exit(f"reshard.cli.train: error: {missing_dependency('torch', 'the trainer (python -m reshard.cli.train)')}")
 
 from reshard import enable_import_cache
-from reshard.errors import ReshardError
 from reshard.settings import library_settings
 from reshard.trainer.build import build_model
 from reshard.trainer.cursor import local_share
@@ -177,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     enable_import_cache()  # before the model build imports transformers
     args = parse_args(argv)
     try:
+        require("transformers", what="the trainer (python -m reshard.cli.train)")
         with stop_peers_on_failure(prog="reshard.cli.train"):  # a rank that fails stops the others too
             train(args)
     except ReshardError as e:

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from reshard.errors import CheckpointError
+from reshard.errors import CheckpointError, require
 from reshard.format.checkpoint import CONFIG_NAME
 from reshard.io.client.body import get_json
 from reshard.io.client.wire import checkpoint_url
@@ -51,6 +51,7 @@ def empty_tp_model(
     """transformers' model for `config` (a source as in `source_config`, a config.json dict or a
     `PretrainedConfig`), tensor-parallel by its own `tp_plan` over `tp` ranks (default: the world),
     materialized on `device` with uninitialized parameters. `auto_class` defaults to AutoModelForCausalLM."""
+    require("transformers", what="empty_tp_model (a transformers model)")
     import transformers
     from transformers.distributed import DistributedConfig
 
@@ -107,8 +108,28 @@ def _warm_build(raw: dict[str, Any], auto_class: Any) -> None:
         pass
 
 
+def meta_model(config: Any, *, dtype: torch.dtype, attn_implementation: str | None = None) -> nn.Module:
+    """`AutoModelForCausalLM.from_config` on the meta device, with weight initialization switched off; a tied
+    head is the embedding's Parameter, as `from_pretrained` leaves it."""
+    from transformers import AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
+
+    kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    try:
+        with torch.device("meta"), no_init_weights():
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, **kwargs)
+    except ValueError as e:  # transformers: "Unrecognized configuration class ... for AutoModelForCausalLM"
+        raise CheckpointError(
+            f"config.json: model_type {config.model_type!r} has no causal-LM class in transformers: "
+            f"{str(e).splitlines()[0]}"
+        ) from None
+    model.tie_weights()
+    return model
+
+
 def hf_config(config: dict[str, Any]) -> Any:
     """The transformers config object for a config.json dict (`model_type` picks the class)."""
+    require("transformers", what="building a transformers model (the trainer, empty_tp_model)")
     from transformers import CONFIG_MAPPING
 
     model_type = config.get("model_type")
@@ -136,4 +157,4 @@ def init_buffers(model: nn.Module) -> None:
             reset()
 
 
-__all__ = ["empty_tp_model", "hf_config", "import_model_class", "init_buffers", "source_config"]
+__all__ = ["empty_tp_model", "hf_config", "import_model_class", "init_buffers", "meta_model", "source_config"]

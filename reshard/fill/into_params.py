@@ -101,7 +101,8 @@ def read_header_from(chunks: Iterator[memoryview | bytes] | RankBytes, source: s
     return RankHeader(bytes(buf[:need]), source), buf[need:]
 
 
-def _read_header(body: RankBytes, source: str) -> RankHeader:
+def read_raw_header(body: RankBytes, source: str) -> bytes:
+    """The first bytes of `body` up to the end of its safetensors header (the 8-byte length, then the JSON)."""
     head = bytearray(8)
     body.readinto(memoryview(head))
     (n,) = struct.unpack("<Q", head)
@@ -109,7 +110,11 @@ def _read_header(body: RankBytes, source: str) -> RankHeader:
         raise HeaderError(f"{source}: header length {n} exceeds the {MAX_HEADER_BYTES}-byte limit")
     head += bytes(n)
     body.readinto(memoryview(head)[8:])
-    header = RankHeader(bytes(head), source)
+    return bytes(head)
+
+
+def _read_header(body: RankBytes, source: str) -> RankHeader:
+    header = RankHeader(read_raw_header(body, source), source)
     if header.total != body.size:
         raise IntegrityError(f"{source}: {body.size} bytes, but its header describes {header.total}: the rank file "
                              "is truncated or corrupt, and nothing was read from it; write or pull it again")

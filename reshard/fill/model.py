@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,8 +29,11 @@ from torch.distributed import ProcessGroup
 
 from reshard.errors import CheckpointError, PlanError
 from reshard.fill.experts import Held, expert_views, partly_covered, shard_layout, uncovered
+from reshard.fill.follow_model import fill_by_boxes
+from reshard.fill.held_boxes import held_indices, local_tensor
 from reshard.fill.into_params import RankHeader, fill_parameters, read_header_from
 from reshard.fill.open import open_rank_stream
+from reshard.fill.report import FillReport
 from reshard.format.torch_side import TORCH_DTYPES
 from reshard.layout.mesh import DIMS, Layout
 from reshard.tp.comm import tp_rank, tp_world_size
@@ -39,38 +41,15 @@ from reshard.tp.comm import tp_rank, tp_world_size
 _LIST = 6  # names shown per list in an error
 
 
-@dataclass
-class FillReport:
-    """What `fill_model` did: tensors filled (per-expert ones into fused parameters counted apiece),
-    bytes pulled (the whole rank file), seconds, and name -> (shard dtype, parameter dtype) casts."""
-
-    source: str
-    rank: int
-    tp: int
-    tensors: int
-    bytes: int
-    seconds: float
-    casts: dict[str, tuple[str, str]] = field(default_factory=dict)
-    fused: int = 0
-    layout: Layout | None = None
-    mapped: int = 0  # bytes bound to the rank file's mapping, not copied (reshard.fill.mapped_params)
-    verified: str = "none"  # sha256 (hashed), identity (unchanged since verified), none (no digest recorded)
-
-    def __str__(self) -> str:
-        casts = sorted({f"{a}->{b}" for a, b in self.casts.values()})
-        cast = f"; cast {len(self.casts)} tensors ({', '.join(casts)})" if casts else ""
-        fused = f" ({self.fused} per-expert tensors into fused parameters)" if self.fused else ""
-        mapped = f", {self.mapped / 1e6:.1f} MB of it mapped" if self.mapped else ""
-        return (f"filled {self.tensors} tensors{fused}, {self.bytes / 1e6:.1f} MB from {self.source}{mapped} "
-                f"(rank {self.rank} of {(self.layout or Layout(tp=self.tp)).describe()}) in {self.seconds:.2f} s"
-                f"{cast}; verified: {self.verified}")
-
-
 def fill_model(model: nn.Module, source: str | Path, *, group: ProcessGroup | None = None,
                token: str | None = None, layout: Layout | None = None, mapped: bool = True,
-               verify: str = "auto") -> FillReport:
+               verify: str = "auto", follow: str = "shard") -> FillReport:
     """Fill every parameter and persistent buffer of `model` with this rank's shard of `source`: a
     rank-shard directory, the service's checkpoint URL, or one rank file. See the module docstring.
+
+    `follow="model"` reads instead the blocks the model's own tensors hold (their DTensor placements,
+    whatever plan made them) as boxes of any checkpoint reshard reads (`reshard.fill.follow_model`); then
+    `group`, `layout`, `mapped` and `verify` do not apply.
 
     The layout is `layout`, else the `DistributedConfig` transformers loaded the model with (n-D:
     pipeline, FSDP, expert parallel), else tensor parallelism over `group` (default: the DTensors'
@@ -80,6 +59,10 @@ def fill_model(model: nn.Module, source: str | Path, *, group: ProcessGroup | No
     private mapping of it (`reshard.fill.mapped_params`: no copy; False copies every byte), and `verify="auto"`
     trusts its recorded sha256 while the file is unchanged since it was verified or written
     (`reshard.io.verified`; "always" hashes it every time). The service's bytes are always hashed."""
+    if follow not in ("shard", "model"):
+        raise ValueError(f"follow={follow!r}: expected 'shard' (the rank's shard) or 'model' (what its tensors hold)")
+    if follow == "model":
+        return fill_by_boxes(model, source, token=token)
     t0 = time.perf_counter()
     layout, rank = _layout_and_rank(model, group, layout)
     _config, chunks, sha, name = open_rank_stream(source, rank, layout, token=token, need_config=False)
@@ -129,16 +112,16 @@ def match_targets(model: nn.Module, header: RankHeader) -> tuple[dict[str, torch
     with torch.no_grad():
         for n in sorted(n for n, m in layout.renamed.items() if m in state):
             p = state[layout.renamed[n]]
-            targets[n] = _local(p)
-            problems += _check(n, targets[n], _held(p), described[n], shapes[n], lambda p=p: _describe_param(p))
-        views = expert_views(state, layout.pieces, shapes, local=_local, held=_held,
+            targets[n] = local_tensor(p)
+            problems += _check(n, targets[n], held_indices(p), described[n], shapes[n], lambda p=p: _describe_param(p))
+        views = expert_views(state, layout.pieces, shapes, local=local_tensor, held=held_indices,
                              global_shapes={n: described[n].get("shape", shapes[n]) for n in layout.pieces})
         for n, v in views.items():
             targets[n] = v.view
             problems += _check(n, v.view, v.held, described[n], shapes[n], lambda v=v: (
                 f"expert {v.expert} of {v.param}, a view of {_describe_param(state[v.param])}"))
     missing, unexpected = uncovered(state, layout, views, shapes)
-    missing = [n for n in missing if _local(state[n]).numel()]  # an empty FSDP chunk (no expert of it here) needs nothing
+    missing = [n for n in missing if local_tensor(state[n]).numel()]  # an empty FSDP chunk (no expert of it here) needs nothing
     missing += partly_covered(views)
     if missing or unexpected:
         problems.insert(0, f"missing from the shard: {_names(missing)}; in the shard but not in the model: "
@@ -173,42 +156,6 @@ def _mesh_group(model: nn.Module) -> ProcessGroup | None:
     return None
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local tensor itself (`to_local()` of a DTensor parameter is a view of it, which a fill
-    that rebinds storage cannot use), or the tensor."""
-    from torch.distributed.tensor import DTensor
-
-    return t._local_tensor if isinstance(t, DTensor) else t
-
-
-def _held(t: torch.Tensor) -> Held:
-    """The global indices a DTensor's local tensor holds along each dim, as DTensor itself chunks them
-    (found by distributing small index tensors; no communication). None per dim for a plain tensor."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
-    if not isinstance(t, DTensor):
-        return (None,) * t.ndim
-    placements, mesh, shape = t.placements, t.device_mesh, tuple(t.shape)
-    if any(not hasattr(p, "dim") and not p.is_replicate() for p in placements):
-        raise PlanError(f"a parameter of shape {list(shape)} has placements {placements}; fill_model fills "
-                        "Shard, _StridedShard and Replicate parameters only")
-    sharded = {p.dim % len(shape) for p in placements if hasattr(p, "dim")}
-    spread = mesh.size() * max([getattr(p, "split_factor", 1) for p in placements] + [1])
-    held: list[tuple[int, ...] | None] = []
-    for d, size in enumerate(shape):
-        if d not in sharded:
-            held.append(tuple(range(size)))
-            continue
-        small = [size if j == d else (min(n, spread) if j in sharded else 1) for j, n in enumerate(shape)]
-        idx = torch.arange(size).reshape([size if j == d else 1 for j in range(len(shape))]).expand(small)
-        loc = distribute_tensor(idx.contiguous(), mesh, placements, src_data_rank=None).to_local()
-        if loc.numel() == 0:
-            held.append(())
-            continue
-        held.append(tuple(loc[tuple(slice(None) if j == d else 0 for j in range(len(shape)))].tolist()))
-    return tuple(held)
-
-
 def _runs(indices: Sequence[int]) -> list[tuple[int, int]]:
     out: list[tuple[int, int]] = []
     for i in indices:
@@ -240,7 +187,7 @@ def _describe_param(t: torch.Tensor) -> str:
 
     if not isinstance(t, DTensor):
         return f"a plain {_dtype_name(t.dtype)} tensor"
-    held = _held(t)
+    held = held_indices(t)
     dims = ", ".join(f"dim {d} {_spans(_runs(h))} of {n}" for d, (h, n) in enumerate(zip(held, t.shape))
                      if h is not None and len(h) != n)
     return (f"DTensor {tuple(t.placements)} of global {list(t.shape)} on a {t.device_mesh.size()}-rank mesh, "

@@ -19,6 +19,7 @@ from reshard.format.rank_file import decode_metadata, parse_rank_file_name, rank
 from reshard.io.client.body import ShardBody, file_body, get_json
 from reshard.io.client.shard_prefetch import take as take_prefetched
 from reshard.io.client.wire import checkpoint_url
+from reshard.io.source.schemes import check_scheme
 from reshard.io.source.stores import is_url
 from reshard.layout.mesh import Layout
 
@@ -34,6 +35,7 @@ def open_rank_stream(
     `need_config` is false; it is not fetched from a URL unless needed. `rules` (a stored label) and
     `engine` choose the service's cut."""
     layout = layout if isinstance(layout, Layout) else Layout(tp=layout)
+    check_scheme(source)
     if is_url(source):
         config = None
         if need_config:
@@ -49,13 +51,15 @@ def open_rank_stream(
     root = path.parent if path.is_file() else path
     if not path.is_file():
         path = root / rank_file_name(rank, layout.world)
+    if not root.is_dir():
+        raise CheckpointError(f"{source}: no such directory or rank file; give a directory of rank files (`reshard "
+                              "write` makes one), a rank file, or the service's http://HOST:PORT/v1/checkpoints/NAME")
     if not path.is_file():
-        have = sorted({named[1] for p in (root.iterdir() if root.is_dir() else ()) if (named := parse_rank_file_name(p.name))})
+        have = sorted({named[1] for p in root.iterdir() if (named := parse_rank_file_name(p.name))})
         flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in layout.sizes().items() if v != 1 or k == "tp")
-        raise CheckpointError(
-            f"{root}: no {path.name} for {layout.describe()} (rank files here are of worlds of "
-            f"{have or 'no'} ranks); run `reshard write {root} {flags} -o DIR`"
-        )
+        here = f"the rank files here are of worlds of {have} ranks" if have else "there are no rank files here"
+        raise CheckpointError(f"{root}: no {path.name} for {layout.describe()} ({here}); run `reshard write {root} "
+                              f"{flags} -o DIR` and give DIR")
     config = json.loads((root / CONFIG_NAME).read_text()) if (root / CONFIG_NAME).is_file() \
         else _no_config(f"{root}: no config.json beside the rank files", need_config)
     sha = None

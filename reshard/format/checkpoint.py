@@ -297,12 +297,41 @@ def whole_infos(tensors: Mapping[str, GlobalTensor]) -> dict[str, TensorInfo] | 
     return tensors.infos if isinstance(tensors, WholeTensors) else None
 
 
+JSON_MAX_BYTES = 64 << 20  # a checkpoint's JSON files (config, index): an index of 10^6 tensors is ~60 MB
+JSON_MAX_DEPTH = 64  # transformers' configs nest 3-4 levels
+
+
 def read_json(d: Directory, name: str) -> Any:
-    """A JSON file of directory `d`, parsed; errors name the file."""
+    """A JSON file of directory `d`, parsed (`parse_json`); errors name the file."""
+    return parse_json(d.read_bytes(name), str(d.path(name)))
+
+
+def parse_json(raw: bytes, where: str) -> Any:
+    """A checkpoint's JSON file, parsed; `CheckpointError` naming `where` for anything else: not UTF-8 JSON,
+    larger than `JSON_MAX_BYTES`, or nested deeper than `JSON_MAX_DEPTH` (nothing downstream recurses
+    through an unbounded document)."""
+    if len(raw) > JSON_MAX_BYTES:
+        raise CheckpointError(f"{where}: {len(raw)} bytes of JSON, more than the {JSON_MAX_BYTES}-byte limit")
     try:
-        return json.loads(d.read_bytes(name).decode("utf-8"))
+        obj = json.loads(raw.decode("utf-8"))
+    except RecursionError:
+        obj = None
     except (ValueError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{d.path(name)}: not valid JSON: {e}") from None
+        raise CheckpointError(f"{where}: not valid JSON: {e}") from None
+    stack, deepest = [(obj, 1)], 0
+    while stack:
+        value, depth = stack.pop()
+        deepest = max(deepest, depth)
+        if deepest > JSON_MAX_DEPTH:
+            break
+        if isinstance(value, dict):
+            stack.extend((v, depth + 1) for v in value.values())
+        elif isinstance(value, list):
+            stack.extend((v, depth + 1) for v in value)
+    if obj is None and raw.strip() != b"null" or deepest > JSON_MAX_DEPTH:
+        raise CheckpointError(f"{where}: JSON nested deeper than {JSON_MAX_DEPTH} levels; a checkpoint's config "
+                              "and index nest a few")
+    return obj
 
 
 def _read_config(d: Directory) -> dict[str, Any] | None:

@@ -18,6 +18,9 @@ META_NAMES = (
 )
 META_PATTERN = "^(" + "|".join(re.escape(n) for n in META_NAMES) + ")$"
 MAX_META_BYTES = 256 << 20  # the largest tokenizer.json files are tens of MB
+# what travels with the weights when they are re-laid out (`reshard write`) or merged (`reshard merge`): every
+# small file but the training state, which describes the rank files it came with
+KEPT_NAMES = tuple(n for n in META_NAMES if n != "trainer_state.json")
 
 
 def is_meta_file(name: str) -> bool:

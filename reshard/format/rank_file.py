@@ -62,6 +62,7 @@ def is_rank_file_name(name: str) -> bool:
 
 OPTIMIZER_DIR = "optimizer"
 OPTIMIZER_SLOTS = ("exp_avg", "exp_avg_sq")
+TRAINER_STATE_NAME = "trainer_state.json"  # a training checkpoint's JSON half (`reshard.trainer.state_json`)
 
 
 def optimizer_tensor_name(param: str, slot: str) -> str:

@@ -9,7 +9,9 @@ store cache's blocks are written this way.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -57,3 +59,14 @@ def owner_gone(path: Path, tag: str | None, *, ownerless_age: float) -> bool:
         return time.time() - path.lstat().st_mtime > ownerless_age
     except FileNotFoundError:
         return False
+
+
+def die_with(parent: int, sig: int = signal.SIGTERM) -> None:
+    """Have the kernel send this process `sig` when `parent` (the process that forked it) dies (Linux's
+    PR_SET_PDEATHSIG); exit now if it already has (it died before the call)."""
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, sig, 0, 0, 0)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:
+        os._exit(128 + sig)

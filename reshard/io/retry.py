@@ -18,12 +18,14 @@ exception types. obstore retries store requests itself; its `RetryConfig` is bui
 from __future__ import annotations
 
 import datetime
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+log = logging.getLogger("reshard")
 
 
 class Retryable(Exception):
@@ -89,4 +91,15 @@ class Retries:
                 self.failed(e)
 
 
-__all__ = ["Backoff", "Retries"]
+def announce(where: str, retries: int) -> Callable[[BaseException, int, float], None]:
+    """An `on_retry` that says each retry as it happens, on the `reshard` logger (a warning: the `reshard`
+    commands show it on stderr, `--log-level error` hides it)."""
+
+    def say(error: BaseException, failure: int, wait: float) -> None:
+        what = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        log.warning("%s: %s; retry %d of %d in %.2g s", where, what[:300], failure, retries, wait)
+
+    return say
+
+
+__all__ = ["Backoff", "Retries", "announce"]

@@ -6,7 +6,8 @@ a file whose sha256 is known (device, inode, size, mtime and ctime in nanosecond
 
 - by every write into a directory (`reshard write`, `reshard.write_shards`, a service write job: the one
   write path, `reshard.io.sinks.write`), for each rank file it wrote (the sha256 is the writer's);
-- by a fill that hashed a rank file and found the recorded sha256.
+- by a fill that hashed a rank file and found the recorded sha256;
+- by `reshard merge` of a directory whose rank files have recorded digests (`check_recorded`).
 
 A later fill (`verify="auto"`, the default) whose file has the same identity and whose `reshard.json`
 records the same sha256 trusts it without hashing. Anything that rewrites the file in place changes
@@ -95,3 +96,4 @@ def record_written(out_dir: str | os.PathLike[str], files: dict[str, dict]) -> i
 
 
 __all__ = ["cache_dir", "identity", "record", "record_written", "trusted"]
+

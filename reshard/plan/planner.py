@@ -22,7 +22,7 @@ from itertools import accumulate
 from operator import attrgetter
 from typing import Any
 
-from reshard.errors import PlanError
+from reshard.errors import PlanError, TpMismatchError
 from reshard.format.checkpoint import DTYPE_SIZES, GlobalTensor, Source, whole_infos
 from reshard.format.rank_file import FORMAT, HeaderEncoder, header_prefix, tensor_json
 from reshard.format.selection import full_selection, selection_shape
@@ -30,6 +30,7 @@ from reshard.gcpause import paused_gc
 from reshard.layout.mesh import MAX_WORLD, Layout
 from reshard.layout.placement import Placement
 from reshard.layout.roles import source_roles
+from reshard.plan.advice import advised
 from reshard.plan.planned import GroupLayout, LazySequence, PlannedTensors, TensorGroups
 from reshard.plan.reads import bytes_read
 from reshard.plan.segments import segments_for
@@ -44,8 +45,9 @@ class RankPlanner:
     offsets and header entry with list comprehensions."""
 
     def __init__(self, tensors: Mapping[str, GlobalTensor], files: dict[str, tuple[int, int | str]],
-                 rules: Mapping[str, Rule], placement: Placement) -> None:
+                 rules: Mapping[str, Rule], placement: Placement, *, manifest_source: str = "rules") -> None:
         self.tensors, self.files, self.rules, self.placement = tensors, files, rules, placement
+        self.manifest_source = manifest_source  # for the advice when a tp does not fit (`reshard.plan.advice`)
         keys, meta, loc = _group_keys(tensors, rules)
         gid_of = {key: gid for gid, key in enumerate(dict.fromkeys(keys))}  # numbered in source order
         src = list(tensors)
@@ -74,7 +76,10 @@ class RankPlanner:
         if hit is None:
             self.placement.layout.check_rank(rank)
             # in source order, so the first bad tensor is the one an error names
-            hit = self._layouts[rank] = [self._layout(name, self.tensors[name], rank) for name in self.firsts]
+            try:
+                hit = self._layouts[rank] = [self._layout(name, self.tensors[name], rank) for name in self.firsts]
+            except TpMismatchError as e:  # named with the tp values that fit every tensor, not this one alone
+                raise advised(e, self.tensors, self.rules, manifest_source=self.manifest_source) from None
         return hit
 
     def forget(self, rank: int) -> None:
@@ -199,9 +204,10 @@ class LayoutPlanner:
     stage, the experts they hold), made when a rank of it is first asked for."""
 
     def __init__(self, tensors: Mapping[str, GlobalTensor], files: dict[str, tuple[int, int | str]],
-                 rules: Mapping[str, Rule], placement: Placement) -> None:
+                 rules: Mapping[str, Rule], placement: Placement, *, manifest_source: str = "rules") -> None:
         # tensors of one rule placed differently (experts) group apart: their rules split once, for every rank
         self.tensors, self.files, self.rules, self.placement = tensors, files, placement.rules_for(rules), placement
+        self.manifest_source = manifest_source
         self.layout = placement.layout
         self._planners: dict[tuple[int, ...], RankPlanner] = {}
 
@@ -215,7 +221,8 @@ class LayoutPlanner:
         hit = self._planners.get(key)
         if hit is None:
             held = self.tensors if c is None else self.placement.held(self.tensors, c)
-            hit = self._planners[key] = RankPlanner(held, self.files, self.rules, self.placement)
+            hit = self._planners[key] = RankPlanner(held, self.files, self.rules, self.placement,
+                                                    manifest_source=self.manifest_source)
         return hit
 
     def layouts(self, rank: int) -> list[GroupLayout]:
@@ -254,7 +261,7 @@ def make_planner(ckpt: Source, manifest: Manifest, layout: Layout | int, *,
             roles = source_roles(getattr(ckpt, "config", None), shapes)
         placement = Placement(layout, roles)
         placement.check()
-        planner = LayoutPlanner(tensors, files, rules, placement)
+        planner = LayoutPlanner(tensors, files, rules, placement, manifest_source=manifest.source)
     identity: dict[str, Any] = {"source": ckpt.identity(), "manifest": manifest.digest(), "tp": layout.tp, "format": FORMAT}
     if roles is not None:
         identity.update(layout=layout.sizes(), roles=roles.digest())

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from reshard.errors import PlanError, RegistryError
+from reshard.errors import PlanError, RegistryError, TpMismatchError
 from reshard.format.rank_file import parse_optimizer_tensor_name
 from reshard.format.selection import Interval, Selection, full_selection, selection_shape
 from reshard.registry import registrar
@@ -34,17 +34,15 @@ def split_interval(size: int, rank: int, tp: int, *, pad: bool = False, align: i
     if align:
         padded = -(-size // align) * align
         if padded % tp:
-            raise PlanError(f"{what} has size {size}, padded to {padded} (a multiple of align={align}), not "
-                            f"divisible by tp={tp}; pick tp dividing {padded}")
+            raise TpMismatchError(f"{what} has size {size}, padded to {padded} (a multiple of align={align}), not "
+                                  f"divisible by tp={tp}", f"pick tp dividing {padded}")
         chunk = padded // tp
         return (rank * chunk, (rank + 1) * chunk)
     if size % tp:
         if not pad:
             good = [d for d in (1, 2, 4, 8, 16, 32, 64) if size % d == 0]
-            raise PlanError(
-                f"{what} has size {size}, not divisible by tp={tp}; set `pad: true` on the rule "
-                f"or pick tp in {{{','.join(map(str, good))}}}"
-            )
+            raise TpMismatchError(f"{what} has size {size}, not divisible by tp={tp}",
+                                  f"set `pad: true` on the rule or pick tp in {{{','.join(map(str, good))}}}", pad=True)
         chunk = -(-size // tp)
     else:
         chunk = size // tp
@@ -61,15 +59,13 @@ def split_heads(size: int, heads: int, rank: int, tp: int, *, replicate: bool = 
     if heads % tp == 0:
         return split_interval(size, rank, tp, what=what)
     if not replicate:
-        raise PlanError(f"{what}: {heads} heads are not divisible by tp={tp}; pick tp dividing {heads}")
+        raise TpMismatchError(f"{what}: {heads} heads are not divisible by tp={tp}", f"pick tp dividing {heads}")
     if tp % heads == 0:
         head_dim = size // heads
         h = rank // (tp // heads)
         return (h * head_dim, (h + 1) * head_dim)
-    raise PlanError(
-        f"{what}: {heads} heads cannot be shared by tp={tp} (neither divides the other); "
-        f"pick tp dividing {heads} or a multiple of it"
-    )
+    raise TpMismatchError(f"{what}: {heads} heads cannot be shared by tp={tp} (neither divides the other)",
+                          f"pick tp dividing {heads} or a multiple of it")
 
 
 @runtime_checkable
@@ -232,6 +228,8 @@ def tensor_selection(name: str, shape: tuple[int, ...], rule: Rule, rank: int, t
     suffix = "." + param.rsplit(".", 1)[-1] if "." in param else ""
     try:
         sel = loader_for(rule, suffix).select(shape, rank, tp)
+    except TpMismatchError as e:
+        raise TpMismatchError(f"{name}: {e.fact}", e.fix, pad=e.pad, where=f" (rule {rule.pattern!r}, kind {rule.kind})") from None
     except PlanError as e:
         raise PlanError(f"{name}: {e} (rule {rule.pattern!r}, kind {rule.kind})") from None
     _check_selection(name, shape, sel)

@@ -18,7 +18,7 @@ import os
 import re
 import stat
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Generic, TypeVar
@@ -53,9 +53,9 @@ StatKey = tuple[tuple[str, int, int, int], ...]
 class LRU(Generic[K, V]):
     """cachetools' `LRUCache` behind a lock (it is not thread-safe; the catalog is read from worker threads)."""
 
-    def __init__(self, maxsize: int) -> None:
+    def __init__(self, maxsize: int, *, getsizeof: Callable[[V], int] | None = None) -> None:
         self.maxsize = maxsize
-        self._data: LRUCache[K, V] = LRUCache(maxsize)
+        self._data: LRUCache[K, V] = LRUCache(maxsize, getsizeof=getsizeof)
         self._lock = threading.Lock()
 
     def get(self, key: K) -> V | None:
@@ -123,7 +123,11 @@ class Catalog:
         self.root = Path(os.path.realpath(settings.root))
         self.rules_dir = settings.state_dir / "rules"
         self._ckpts: LRU[tuple[str, StatKey], _Entry] = LRU(settings.checkpoint_cache)
-        self._plans: LRU[tuple[Any, ...], tuple[str, RankPlan]] = LRU(settings.plan_cache)
+        # bounded by what the plans hold (their tensor entries), not by their count: one plan of a large
+        # checkpoint can be a thousand of a small one
+        self._plans: LRU[tuple[Any, ...], tuple[str, RankPlan]] = LRU(settings.plan_cache,
+                                                                       getsizeof=lambda hit: len(hit[1].tensors) + 1)
+        self.max_plan_work = settings.max_plan_work
         self._planners: LRU[tuple[Any, ...], tuple[str, LayoutPlanner]] = LRU(8)
         self._stored: LRU[tuple[str, int, int], Manifest] = LRU(256)
         self._engines: LRU[tuple[Any, ...], Manifest] = LRU(64)
@@ -190,6 +194,12 @@ class Catalog:
             entry = _Entry(self._open_checkpoint(name, directory, key))
             self._ckpts.put((name, key), entry)
         return entry, key
+
+    def opened(self, name: str) -> tuple[Checkpoint | ShardSet, StatKey]:
+        """Checkpoint `name` (or a directory of rank files) parsed, and its stat key, without a manifest:
+        what a request that names its own boxes reads (`reshard.plan.box_plan`)."""
+        entry, key = self._entry(name)
+        return entry.ckpt, key
 
     def _open_checkpoint(self, name: str, directory: Path, key: StatKey) -> Checkpoint | ShardSet:
         names = [f[0] for f in key]
@@ -291,6 +301,16 @@ class Catalog:
         return rule_info
 
     # --- plans -------------------------------------------------------------------------------
+
+    def check_work(self, src: ServedCheckpoint, layout: Layout, ranks: int, *, what: str) -> None:
+        """BadRequest when planning `ranks` ranks of `src` (ranks x tensors) is more than one request may
+        cause (`max_plan_work`), naming the smaller requests that fit."""
+        count = len(src.ckpt.global_tensors())
+        if ranks * count > self.max_plan_work:
+            fit = max(1, self.max_plan_work // max(count, 1))
+            raise BadRequest(f"{what} of {src.name!r} at {layout.describe()} plans {ranks} ranks x {count} tensors = "
+                             f"{ranks * count}, over the {self.max_plan_work} one request may plan; ask for at most "
+                             f"{fit} ranks at a time (`ranks`), or one rank's shard")
 
     def plan(self, src: ServedCheckpoint, layout: Layout | int, *, ranks: list[int] | None = None) -> Plan:
         return make_plan(src.ckpt, src.manifest, layout, ranks=ranks)

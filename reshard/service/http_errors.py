@@ -35,6 +35,7 @@ from reshard.errors import (
     HeaderError,
     IntegrityError,
     ManifestError,
+    MissingDependencyError,
     NoSpaceError,
     NotFoundError,
     OutputError,
@@ -75,6 +76,10 @@ class PayloadTooLarge(ReshardError):
     """An upload larger than `max_upload_bytes`."""
 
 
+class TooBusy(ReshardError):
+    """The worker holds as many pending write jobs as it takes (`max_jobs_pending`): 429."""
+
+
 class RangeNotSatisfiable(ReshardError):
     """A `Range` that starts at or past the end of the shard."""
 
@@ -86,17 +91,18 @@ class RangeNotSatisfiable(ReshardError):
 # library error class -> HTTP status; a class not listed answers its nearest listed base's (`status_for`)
 _STATUS: dict[type[BaseException], int] = {
     ReshardError: 400, BadRequest: 400, Unauthorized: 401, Conflict: 409, PayloadTooLarge: 413,
-    RangeNotSatisfiable: 416, NotFoundError: 404, SourceChangedError: 409,
+    RangeNotSatisfiable: 416, TooBusy: 429, NotFoundError: 404, SourceChangedError: 409,
     HeaderError: 422, CheckpointError: 422, ManifestError: 422, RegistryError: 422, PlanError: 422,
     IntegrityError: 502, StoreError: 502, StoreUnavailableError: 503, PeerFailedError: 503,
     OutputError: 507, NoSpaceError: 507, QuotaError: 507, ReadOnlyError: 503,
     OutputPermissionError: 503, OutputPathError: 409, OutputIOError: 503,
     StateUnavailableError: 503, StateFullError: 507,
+    MissingDependencyError: 503,  # the server lacks a package (torch, transformers) for what was asked
 }
 _STATUS_NAMES = {400: "BadRequest", 401: "Unauthorized", 403: "Forbidden", 404: "NotFound",
                  405: "MethodNotAllowed", 408: "RequestTimeout", 409: "Conflict", 413: "PayloadTooLarge",
                  414: "URITooLong", 415: "UnsupportedMediaType", 416: "RangeNotSatisfiable", 422: "ValidationError",
-                 431: "RequestHeaderFieldsTooLarge", 503: "ServiceUnavailable", 507: "InsufficientStorage"}
+                 429: "TooManyRequests", 431: "RequestHeaderFieldsTooLarge", 503: "ServiceUnavailable", 507: "InsufficientStorage"}
 # an OSError of the output side that names no file (a write into an open file): no path, no free space to tell
 _UNNAMED = {errno.ENOSPC: (NoSpaceError, "no space left on the server's disk; free some space there, then try again"),
             errno.EDQUOT: (QuotaError, "disk quota exceeded on the server; free some space there, then try again"),

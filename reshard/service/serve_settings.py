@@ -11,6 +11,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from reshard.io.source.stores import is_url
 
 MiB = 1 << 20
+BOXES_CAP = 1 << 18  # the most boxes a request body may hold (its schema's maxItems)
 STATE_DIR = ".jobs"  # under OUT, unless RESHARD_STATE names another directory
 
 
@@ -28,9 +29,19 @@ class Settings(BaseSettings):
     state: Path | None = Field(None, description="the workers' shared state (SQLite of jobs and digests, job locks); "
                                "default OUT/.jobs. Keep it off a file system you may remount read-only: an open "
                                "database keeps the remount from happening")
-    public_docs: bool = Field(False, description="serve /docs and /openapi.json without the token")
+    public_docs: bool = Field(False, description="serve the API page (/docs, /redoc, their files under "
+                              "/docs/assets) and /openapi.json without the token")
     max_upload_bytes: int = Field(64 << 30, ge=1, description="largest accepted upload (413 above it)")
     max_body_bytes: int = Field(1 * MiB, ge=1, description="largest JSON request body (manifests, jobs)")
+    max_boxes: int = Field(1 << 16, ge=1, le=BOXES_CAP, description="most boxes one `POST .../boxes` asks for "
+                           "(400 above it; at most 262144, the most the request body's schema admits)")
+    max_box_bytes: int = Field(64 << 30, ge=1, description="most tensor bytes one `POST .../boxes` answers (400 "
+                               "above it)")
+    max_box_runs: int = Field(1 << 18, ge=1, description="most separate runs of source bytes one `POST .../boxes` "
+                              "may be made of (400 above it): a box of a few elements from every row of a tensor "
+                              "costs planning and reading per row")
+    max_boxes_body_bytes: int = Field(16 * MiB, ge=1, description="largest `POST .../boxes` request body (413 "
+                                      "above it): ~100 bytes a box")
     chunk_size: int = Field(8 * MiB, ge=64 << 10, le=256 * MiB, description="bytes per streamed chunk of what is "
                             "read and copied (row-split runs, headers); 8 MiB: a row-split rank goes ~8% faster "
                             "than with 4 MiB (fewer hand-offs between the reader thread and the event loop)")
@@ -62,7 +73,12 @@ class Settings(BaseSettings):
                          description="worker processes of `reshard serve` sharing the port (default: one per core)")
     max_jobs_kept: int = Field(1000, ge=1, description="finished jobs remembered for GET /v1/jobs/{id}")
     checkpoint_cache: int = Field(64, ge=1, description="parsed checkpoints kept in memory")
-    plan_cache: int = Field(1024, ge=1, description="rank plans kept in memory")
+    plan_cache: int = Field(1 << 18, ge=1, description="tensor entries of the rank plans kept in memory (a plan "
+                            "of T tensors counts T + 1; about 220 bytes each)")
+    max_plan_work: int = Field(1 << 20, ge=1, description="ranks x tensors one request may plan (a JSON plan, a "
+                               "write job): about 1.3 CPU-s at the default; beyond, 400 naming smaller requests")
+    max_jobs_pending: int = Field(8, ge=1, description="write jobs queued or running per worker process; "
+                                  "beyond, 429 (submit again later)")
     digest_cache: int = Field(4096, ge=1, description="shard sha256 digests kept (by ETag, in the store all workers share)")
     max_header_bytes: int = Field(64 << 10, ge=256, le=64 * MiB, description="largest request header fields "
                                   "(names, values and separators, in all): 431 above it, before anything else runs")

@@ -13,30 +13,9 @@ flagged tensors and recompute the rest (non-persistent buffers), exactly as afte
 
 from __future__ import annotations
 
-from typing import Any
-
-import torch
 from torch import nn
 
-from reshard.errors import CheckpointError
-
-
-def meta_model(config: Any, *, dtype: torch.dtype, attn_implementation: str | None = None) -> nn.Module:
-    """`AutoModelForCausalLM.from_config` on the meta device, with weight initialization switched off."""
-    from transformers import AutoModelForCausalLM
-    from transformers.initialization import no_init_weights
-
-    kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
-    try:
-        with torch.device("meta"), no_init_weights():
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype, **kwargs)
-    except ValueError as e:  # transformers: "Unrecognized configuration class ... for AutoModelForCausalLM"
-        raise CheckpointError(
-            f"config.json: model_type {config.model_type!r} has no causal-LM class in transformers: "
-            f"{str(e).splitlines()[0]}"
-        ) from None
-    model.tie_weights()  # as from_pretrained does: a tied head becomes the embedding's Parameter
-    return model
+from reshard.fill.empty_model import meta_model
 
 
 def tied_pair(model: nn.Module) -> tuple[str, str] | None:

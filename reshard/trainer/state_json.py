@@ -35,13 +35,14 @@ from typing import Any
 import torch
 
 from reshard.errors import CheckpointError, PlanError
+from reshard.format.rank_file import TRAINER_STATE_NAME
 from reshard.layout.mesh import Layout
 
 __all__ = ["FORMAT", "STATE_NAME", "check_state", "decode_rng", "encode_rng", "encode_state", "read_state",
            "layout_json", "model_fingerprint", "relaid_state", "rng_snapshot", "seeded_rng"]
 
 FORMAT = "reshard.trainer_state/1"
-STATE_NAME = "trainer_state.json"
+STATE_NAME = TRAINER_STATE_NAME
 _KEYS = ("step", "layout", "files", "optimizer", "rng", "generators", "extra")
 
 

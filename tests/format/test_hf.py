@@ -148,3 +148,22 @@ def test_plan_json_names_plan_source_and_kinds(tmp_path: Path, capsys: pytest.Ca
     assert kinds["model.norm.weight"] == "replicate"
     emb = next(t for t in doc["ranks"][1]["tensors"] if t["name"] == "model.embed_tokens.weight")
     assert emb["shape"] == [125, 32] and emb["select"] == [[[125, 250]], [[0, 32]]]
+
+
+@pytest.mark.pure
+def test_checkpoint_json_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """parse_json: a checkpoint's JSON as json.loads reads it, but one line for what is not UTF-8 JSON, past
+    the size limit or nested too deep (100,000 `[` too: no RecursionError escapes)."""
+    import reshard.format.checkpoint as ck
+    from reshard.errors import CheckpointError
+
+    cfg = {"model_type": "llama", "rope_scaling": {"factor": 2.0}, "layer_types": ["full"] * 3}
+    assert ck.parse_json(json.dumps(cfg).encode(), "config.json") == cfg and ck.parse_json(b"null", "x") is None
+    for raw, says in ((b"[" * 100_000, "nested deeper than 64"), (b"[" * 65 + b"]" * 65, "nested deeper than 64"),
+                      (b"{bad", "not valid JSON"), (b"\xff", "not valid JSON")):
+        with pytest.raises(CheckpointError, match=f"^config.json: .*{says}"):
+            ck.parse_json(raw, "config.json")
+    assert ck.parse_json(b"[" * 64 + b"]" * 64, "x") is not None
+    monkeypatch.setattr(ck, "JSON_MAX_BYTES", 10)
+    with pytest.raises(CheckpointError, match="11 bytes of JSON, more than the 10-byte limit"):
+        ck.parse_json(b'{"a": 1234}', "config.json")

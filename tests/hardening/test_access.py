@@ -67,6 +67,8 @@ def _operations(srv: LiveServer) -> list[tuple[str, str, dict[str, Any]]]:
             elif method == "put":  # an upload: into a new directory, so `llama` stays as it is
                 url = path.format(name="uploaded", filename="config.json")
                 kw["content"] = json.dumps({"model_type": "llama"}).encode()
+            elif method == "post" and "/boxes" in path:
+                kw["json"] = {"boxes": [{"name": "model.norm.weight", "offsets": [0], "sizes": [1]}]}
             elif method == "post":
                 kw["json"] = {"tp": 1}
             ops.append((method.upper(), url, kw))
@@ -81,7 +83,7 @@ def _record(guarded: dict[str, Any], r: httpx.Response) -> httpx.Response:
 def test_every_route_needs_the_token(guarded: dict[str, Any]) -> None:
     srv, root, out = guarded["srv"], guarded["root"], guarded["out"]
     ops = _operations(srv)
-    assert len(ops) == 19 and {"PUT", "POST", "HEAD"} <= {m for m, _, _ in ops}
+    assert len(ops) == 23 and {"PUT", "POST", "HEAD"} <= {m for m, _, _ in ops}
     before = tree(root), tree(out) if out.exists() else {}
     with httpx.Client(base_url=srv.url, timeout=30) as http:
         for method, url, kw in ops:

@@ -40,6 +40,9 @@ OPERATIONS = {  # every route of the app
     # a training checkpoint's optimizer state (part: "optimizer")
     "GET /v1/checkpoints/{name}/{part}/shards/{rank}", "HEAD /v1/checkpoints/{name}/{part}/shards/{rank}",
     "GET /v1/checkpoints/{name}/{part}/shards/{rank}/digest",
+    # boxes of tensors the client names (and of the optimizer state's)
+    "POST /v1/checkpoints/{name}/boxes", "POST /v1/checkpoints/{name}/boxes/digest",
+    "POST /v1/checkpoints/{name}/{part}/boxes", "POST /v1/checkpoints/{name}/{part}/boxes/digest",
 }
 EXAMPLES = 12
 

@@ -209,7 +209,7 @@ def _in_event_loop() -> bool:
 def test_planning_and_rules_validation_run_outside_the_event_loop(client: TestClient,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[tuple[str, bool]] = []
-    for method in ("source", "plan", "planner", "rank_plan", "store_rules"):
+    for method in ("source", "plan", "planner", "rank_plan", "store_rules", "opened"):
         real = getattr(Catalog, method)
 
         def spy(self: Catalog, *args: Any, _real: Any = real, _name: str = method, **kwargs: Any) -> Any:
@@ -231,8 +231,11 @@ def test_planning_and_rules_validation_run_outside_the_event_loop(client: TestCl
     assert client.get(f"{base}/shards/1?tp=2").status_code == 200
     assert client.head(f"{base}/shards/0?tp=2").status_code == 200
     assert client.get(f"{base}/shards/0/digest?tp=2").status_code == 200
+    boxes = {"boxes": [{"name": "model.norm.weight", "offsets": [0], "sizes": [8]}]}
+    assert client.post(f"{base}/boxes", json=boxes).status_code == 200
+    assert client.post(f"{base}/boxes/digest", json=boxes).status_code == 200
     names = {n for n, _ in calls}
-    assert {"source", "planner", "rank_plan", "store_rules", "Manifest.from_dict"} <= names, names
+    assert {"source", "planner", "rank_plan", "store_rules", "opened", "Manifest.from_dict"} <= names, names
     assert [c for c in calls if c[1]] == [], "called on the event loop's thread"
 
 

@@ -82,10 +82,19 @@ CASES: dict[str, tuple[tuple[str, bytes], int, str, str]] = {
     "tp-absurd": (_get(f"{S}/0?tp=5000"), 422, "ValidationError", "query.tp: Input should be less than or equal to 4096"),
     "tp-huge": (_get(f"{S}/0?tp={BIG}"), 422, "ValidationError", "query.tp: Unable to parse input string"),
     "tp-max-not-divisible": (_get(f"{S}/0?tp=4096"), 422, "PlanError", "not divisible by tp=4096"),
-    "tp-not-divisible": (_get(f"{S}/0?tp=3"), 422, "PlanError", "not divisible by tp=3; set `pad: true`"),
+    "tp-not-divisible": (_get(f"{S}/0?tp=3"), 422, "PlanError", "not divisible by tp=3; pick a tp that plans this checkpoint: 1, 2, 4"),
     "tp-word": (_get(f"{S}/0?tp=two"), 422, "ValidationError", "query.tp: Input should be a valid integer"),
     "tp-float": (_get(f"{S}/0?tp=1.5"), 422, "ValidationError", "query.tp: Input should be a valid integer"),
     "tp-empty": (_get(f"{S}/0?tp="), 422, "ValidationError", "query.tp: Input should be a valid integer"),
+    "tp-repeated": (_get(f"{S}/0?tp=2&tp=4"), 422, "ValidationError", "query.tp: given 2 times; give it once"),
+    "tp-repeated-same": (_get(f"{S}/0?tp=2&tp=2"), 422, "ValidationError", "query.tp: given 2 times"),
+    "tp-float-whole": (_get(f"{S}/0?tp=2.0"), 422, "ValidationError", "query.tp: '2.0' is not a plain decimal"),
+    "tp-plus": (_get(f"{S}/0?tp=%2B2"), 422, "ValidationError", "query.tp: '+2' is not a plain decimal"),
+    "tp-space": (_get(f"{S}/0?tp=%202"), 422, "ValidationError", "query.tp: ' 2' is not a plain decimal"),
+    "tp-leading-zero": (_get(f"{S}/0?tp=02"), 422, "ValidationError", "query.tp: '02' is not a plain decimal"),
+    "fsdp-repeated-plan": (_get("/v1/checkpoints/llama/plan?tp=1&fsdp=2&fsdp=2"), 422, "ValidationError",
+                           "query.fsdp: given 2 times"),
+    "digest-tp-plus": (_get(f"{S}/0/digest?tp=%2B1"), 422, "ValidationError", "query.tp: '+1' is not a plain decimal"),
     "plan-tp-zero": (_get("/v1/checkpoints/llama/plan?tp=0"), 422, "ValidationError", "query.tp: Input should be greater"),
     "digest-rank-equals-tp": (_get(f"{S}/4/digest?tp=4"), 422, "PlanError", "rank=4 is out of range for tp=4"),
     "tensors-not-bool": (_get("/v1/checkpoints/llama/plan?tp=2&tensors=maybe"), 422, "ValidationError",
@@ -121,6 +130,14 @@ CASES: dict[str, tuple[tuple[str, bytes], int, str, str]] = {
                                  "PayloadTooLarge", f"more than the {MAX_UPLOAD}-byte upload limit"),
     "upload-truncated": (_upload("/v1/checkpoints/new/files/model.safetensors", b"\x10" + bytes(7) + b"{}"), 422,
                          "HeaderError", "new/model.safetensors (upload)"),
+    "upload-json-brackets": (_upload("/v1/checkpoints/new/files/config.json", b"[" * 100_000), 422, "CheckpointError",
+                             "config.json: JSON nested deeper than 64 levels"),
+    "upload-json-deep": (_upload("/v1/checkpoints/new/files/config.json",
+                                 b'{"a": ' * 900 + b"1" + b"}" * 900), 422, "CheckpointError",
+                         "config.json: JSON nested deeper than 64 levels"),
+    "upload-index-deep": (_upload("/v1/checkpoints/new/files/model.safetensors.index.json",
+                                  b'{"weight_map": {}, "x": ' + b"[" * 70 + b"]" * 70 + b"}"), 422, "CheckpointError",
+                          "model.safetensors.index.json: JSON nested deeper than 64 levels"),
     "rules-too-large": (_send("PUT", "/v1/checkpoints/llama/rules", b" " * (MAX_BODY + 1)), 413, "PayloadTooLarge",
                         f"request body of {MAX_BODY + 1} bytes exceeds the {MAX_BODY}-byte limit"),
     "rules-tp-zero": (_send("PUT", "/v1/checkpoints/llama/rules?tp=0", b'{"rules": []}'), 422, "ValidationError",
@@ -250,3 +267,25 @@ def test_cli_pull_unreachable_server(tmp_path: Path, capsys: pytest.CaptureFixtu
     err = capsys.readouterr().err
     assert rc == 1 and len(err.splitlines()) == 1 and "giving up after 0 retries" in err
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.servers
+def test_a_config_on_disk_nested_too_deep_is_a_422_and_the_server_keeps_serving(
+        corpus_server: tuple[LiveServer, Path, Path]) -> None:
+    """A checkpoint put under the root by hand (not uploaded) whose config.json nests 900 levels: its
+    routes answer 422 naming the file, never 500, and the other checkpoints are served as before."""
+    import shutil
+
+    srv, root, _ = corpus_server
+    deep = root / "deep"
+    deep.mkdir()
+    try:
+        shutil.copy(root / "llama" / "model.safetensors", deep / "model.safetensors")
+        (deep / "config.json").write_text('{"a": ' * 900 + "1" + "}" * 900)
+        for _ in range(2):  # and again: nothing cached a half-read checkpoint
+            r = httpx.get(f"{srv.url}/v1/checkpoints/deep/plan", params={"tp": 1})
+            assert r.status_code == 422 and r.json()["error"] == "CheckpointError", r.text
+            assert "deep/config.json: JSON nested deeper than 64 levels" in r.json()["detail"], r.text
+        assert httpx.get(f"{srv.url}/v1/checkpoints/llama/plan", params={"tp": 1}).status_code == 200
+    finally:
+        shutil.rmtree(deep)

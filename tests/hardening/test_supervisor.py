@@ -75,7 +75,10 @@ def test_a_hung_worker_is_killed_and_every_replacement_logged_at_warning(root: P
         os.kill(other, signal.SIGKILL)
         assert wait_for(lambda: other not in workers(srv) and len(workers(srv)) == 2, timeout=60), srv.log()
         assert wait_for(lambda: f"worker {other} died" in srv.log(), timeout=10), srv.log()
-        lines = [ln for ln in srv.log().splitlines() if ln.startswith("WARNING:  worker ")]
+        # on a loaded machine a replacement that is only slow may miss the 2 s healthcheck too (killed and
+        # replaced, as the setting says): the lines about the two workers this test stopped are the check
+        lines = [ln for ln in srv.log().splitlines() if ln.startswith((f"WARNING:  worker {hung} ",
+                                                                       f"WARNING:  worker {other} "))]
         assert lines == [
             f"WARNING:  worker {hung} did not answer the supervisor's healthcheck within {HUNG_TIMEOUT} s: killed "
             "it (SIGKILL) and started another; if the machine is only busy, raise --worker-healthcheck-timeout "

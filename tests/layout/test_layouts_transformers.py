@@ -358,7 +358,7 @@ def test_cli_pull_of_a_layout(world: dict[str, Any], tmp_path: Path, capsys: pyt
     dest = tmp_path / "r3.safetensors"
     args = ["pull", srv.ckpt_url("mixtral"), "--rank", "3", "--tp", "2", "--fsdp", "2", "--ep", "4", "-o", str(dest)]
     assert main([*args, "--no-progress"]) == 0
-    assert capsys.readouterr().err.startswith("pulled rank 3 of fsdp=2 x tp=2 x ep=4")
+    assert capsys.readouterr().out.startswith("pulled rank 3 of fsdp=2 x tp=2 x ep=4")
     assert dest.read_bytes() == (world["out"] / "mixtral" / "ep4_tp2_fsdp2" / rank_file_name(3, 4)).read_bytes()
     assert main([*args[:3], "4", *args[4:], "--no-progress"]) == 1  # rank 4 of a world of 4
     assert "rank=4 is out of range for fsdp=2 x tp=2 x ep=4 (0..3)" in capsys.readouterr().err

@@ -275,8 +275,11 @@ def _(tmp: Path) -> Source:
     return _with_rules(tmp, "rules:\n  - {pattern: '*.up_proj.weight', kind: packed_column, blocks: [4, 4]}\n")
 
 
+# the tp values that plan this checkpoint are those dividing 12 (up_proj is the only tensor cut); the rule's
+# `pad: true` is offered because a rules file is there to edit
 @case("dim-not-divisible-column", PlanError, "model.layers.3.mlp.up_proj.weight: dim 0 has size 12, "
-      "not divisible by tp=5; set `pad: true` on the rule or pick tp in {1,2,4}")
+      "not divisible by tp=5; set `pad: true` on the rule in the rules file ",
+      "rules.yaml or pick a tp that plans this checkpoint: 1, 2, 3, 4, 6, 12 (rule '*.up_proj.weight', kind column)")
 def _(tmp: Path) -> Source:
     return _with_rules(tmp, "rules:\n  - {pattern: '*.up_proj.weight', kind: column}\n", tp=5)
 

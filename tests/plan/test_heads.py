@@ -105,9 +105,11 @@ def test_heads_not_dividing_tp_is_an_error_with_exact_message(tmp_path: Path) ->
         make_plan(ckpt, manifest, 2)
     assert str(e.value) == (
         "model.layers.0.self_attn.k_proj.weight: dim 0: 3 heads cannot be shared by tp=2 "
-        "(neither divides the other); pick tp dividing 3 or a multiple of it "
+        "(neither divides the other); pick a tp that plans this checkpoint: 1, 3, 6, 9, 12, 15, 18, 21, 24, 27, ... "
         "(rule '*.k_proj.weight', kind column)"
     )
+    # the listed ones are the first ten that divide 3 or that 3 divides: each plans
+    assert [t for t in range(1, 65) if 3 % t == 0 or t % 3 == 0][:10] == [1, 3, 6, 9, 12, 15, 18, 21, 24, 27]
     # tp=3 and tp=6 fit three heads; tp=1 always does
     for tp in (1, 3, 6):
         assert make_plan(ckpt, manifest, tp).tp == tp
@@ -121,7 +123,7 @@ def test_fewer_heads_than_tp_without_replicate_heads_is_an_error(tmp_path: Path)
         make_plan(ckpt, manifest, 4)
     assert str(e.value) == (
         "model.layers.0.self_attn.k_proj.weight: dim 0: 2 heads are not divisible by tp=4; "
-        "pick tp dividing 2 (rule '*.k_proj.weight', kind column)"
+        "pick a tp that plans this checkpoint: 1, 2 (rule '*.k_proj.weight', kind column)"
     )
 
 
@@ -134,7 +136,7 @@ def test_packed_heads_not_dividing_tp_names_the_block(tmp_path: Path) -> None:
         make_plan(ckpt, Manifest.from_dict({"rules": [rule]}), 2)
     assert str(e.value) == (
         "qkv.weight: packed block 1 (size 6): 3 heads cannot be shared by tp=2 "
-        "(neither divides the other); pick tp dividing 3 or a multiple of it "
+        "(neither divides the other); pick a tp that plans this checkpoint: 1 "
         "(rule 'qkv.weight', kind packed_column)"
     )
 

@@ -152,7 +152,7 @@ def test_plugin_refuses_shards_of_another_tp_or_cut_before_touching_the_model(ck
 
     out = tmp_path / "v2"
     assert main(["write", str(ckpt), "--tp", "2", "--engine", "vllm", "-o", str(out), "--no-progress"]) == 0
-    with pytest.raises(CheckpointError, match=r"no rank-00000-of-00001.safetensors for tp=1 \(rank files here are of "
+    with pytest.raises(CheckpointError, match=r"no rank-00000-of-00001.safetensors for tp=1 \(the rank files here are of "
                                               r"worlds of \[2\] ranks\); run `reshard write"):
         fill_vllm_model(None, out, rank=0, tp=1)  # type: ignore[arg-type]
     assert main(["write", str(ckpt), "--pp", "2", "--engine", "vllm", "-o", str(tmp_path / "pp2"), "--no-progress"]) == 0

@@ -140,6 +140,6 @@ def test_cli_pull(server: LiveServer, written: Any, tmp_path: Path, capsys: pyte
     dest = tmp_path / "out.safetensors"
     assert main(["pull", server.ckpt_url("llama"), "--rank", "3", "--tp", "4", "-o", str(dest), "--no-progress"]) == 0
     assert dest.read_bytes() == (written("llama", 4) / rank_file_name(3, 4)).read_bytes()
-    assert "pulled rank 3 of tp=4" in capsys.readouterr().err
+    assert "pulled rank 3 of tp=4" in capsys.readouterr().out
     assert main(["pull", server.ckpt_url("llama"), "--rank", "9", "--tp", "4", "-o", str(dest)]) == 1
     assert "rank=9 is out of range" in capsys.readouterr().err

@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from reshard.format.rank_file import rank_file_name
+from reshard.io.sealed import TRAILER
 from reshard.io.source.opener import open_source
 from reshard.plan.planner import make_plan
 from reshard.plan.reads import Interleave, Segment
@@ -69,7 +70,7 @@ def test_second_whole_pull_keeps_a_copy_later_pulls_send_it(root: Path, written:
         assert not [n for n in copies(root) if n.endswith(".bin")]  # pulled once: a marker only
         assert http.get(url, params=params).content == want
         made = {n: s for n, s in copies(root).items() if n.endswith(".bin")}
-        assert list(made.values()) == [LEAD + total + 16 * len(pieces) + 8]  # pieces, then their index
+        assert list(made.values()) == [LEAD + total + 16 * len(pieces) + 8 + TRAILER]  # pieces, their index, the seal
         assert metric(srv, 'reshard_gathered_copies_total{event="written"}') == 1
         copy = (root / ".reshard" / "gathered" / next(iter(made))).read_bytes()
         assert copy[LEAD : LEAD + total] == b"".join(want[o : o + n] for o, n in pieces)  # the pieces, in order
@@ -106,7 +107,7 @@ def test_changed_source_never_meets_an_old_copy(root: Path, tmp_path: Path) -> N
 
 
 def test_copies_past_the_cap_are_evicted_oldest_first(root: Path) -> None:
-    sizes = [LEAD + sum(n for _, n in p) + 16 * len(p) + 8 for p in (gathered_pieces(root / "m", r) for r in range(TP))]
+    sizes = [LEAD + sum(n for _, n in p) + 16 * len(p) + 8 + TRAILER for p in (gathered_pieces(root / "m", r) for r in range(TP))]
     with live_server(root, gather_cache=max(sizes) + 1) as srv, httpx.Client(timeout=60) as http:
         for rank in range(TP):
             for _ in range(2):

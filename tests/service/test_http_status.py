@@ -17,10 +17,11 @@ pytestmark = pytest.mark.pure
 
 EXPECTED = {
     "ReshardError": 400, "HeaderError": 422, "CheckpointError": 422, "ManifestError": 422, "RegistryError": 422,
-    "PlanError": 422, "SourceChangedError": 409, "IntegrityError": 502, "NotFoundError": 404, "OutputError": 507,
+    "PlanError": 422, "BoxError": 400, "SourceChangedError": 409, "IntegrityError": 502, "NotFoundError": 404, "OutputError": 507,
     "NoSpaceError": 507, "QuotaError": 507, "ReadOnlyError": 503, "OutputPermissionError": 503,
     "OutputPathError": 409, "OutputIOError": 503, "StateUnavailableError": 503, "StateFullError": 507,
     "PeerFailedError": 503, "StoreError": 502, "StoreUnavailableError": 503,
+    "TpMismatchError": 422, "MissingDependencyError": 503,
 }
 
 

@@ -288,5 +288,6 @@ def test_port_in_use_exits_3_and_says_why(server: LiveServer, ckpt_root: Path) -
     proc = subprocess.run([sys.executable, "-m", "reshard.cli", "serve", "--root", str(ckpt_root), "--host", "127.0.0.1",
                            "--port", port], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 3, proc.stderr
-    assert "address already in use" in proc.stderr.lower()
+    assert proc.stderr.splitlines() == [f"reshard: error: serve: port {port} on 127.0.0.1 is in use (another reshard "
+                                        "serve?); pick a free one with --port N (or RESHARD_PORT), or stop what holds it"]
     assert httpx.get(server.url + "/healthz").status_code == 200  # the first server is untouched

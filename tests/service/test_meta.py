@@ -58,7 +58,7 @@ def test_pull_meta_copies_them(meta_server: Any, tmp_path: Path, capsys: pytest.
     out = tmp_path / "model"
     args = ["pull", srv.ckpt_url("m"), "--meta", "-o", str(out), "--token", "tok"]
     assert main(args) == 0
-    assert "pulled 4 small files" in capsys.readouterr().err
+    assert "pulled 4 small files" in capsys.readouterr().out
     assert sorted(p.name for p in out.iterdir()) == sorted(["config.json", *SMALL])
     assert all((out / n).read_bytes() == (ckpt / n).read_bytes() for n in SMALL)
     assert json.loads((out / "config.json").read_text())["vocab_size"] == 1000
@@ -84,3 +84,44 @@ def test_shards_cut_for_vllm_over_http_equal_rank_files(meta_server: Any, tmp_pa
     r = httpx.get(f"{srv.ckpt_url('m')}/shards/0", params={"tp": 2, "engine": "sglang"}, headers=srv.headers(),
                   timeout=10)
     assert r.status_code == 422
+
+
+def test_meta_files_stream_and_their_digests_are_hashed_once_per_version(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 48 MiB tokenizer.json goes out in blocks (this process's traced peak stays far below the file while
+    four downloads run), with the sha256 of its bytes; listings and downloads hash each version of a file
+    once (a new version is hashed again)."""
+    import tracemalloc
+
+    from fastapi.testclient import TestClient
+
+    import reshard.service.api.routers.meta as meta
+    from reshard.service import Settings, create_app
+
+    ckpt = make_ckpt(tmp_path / "root" / "m")
+    big = bytes(range(256)) * (48 << 12)
+    (ckpt / "tokenizer.json").write_bytes(big)
+    hashed: list[str] = []
+    real = meta.file_sha256
+    monkeypatch.setattr(meta, "file_sha256", lambda p: hashed.append(p.name) or real(p))
+    with TestClient(create_app(Settings(root=tmp_path / "root", out=tmp_path / "out"))) as client:
+        for _ in range(3):
+            listing = {f["name"]: f for f in client.get("/v1/checkpoints/m/meta").json()["files"]}
+        want = hashlib.sha256(big).hexdigest()
+        assert listing["tokenizer.json"] == {"name": "tokenizer.json", "size": len(big), "sha256": want}
+        tracemalloc.start()
+        for _ in range(4):
+            got = hashlib.sha256()
+            with client.stream("GET", "/v1/checkpoints/m/meta/tokenizer.json") as r:
+                assert r.status_code == 200 and r.headers["x-reshard-sha256"] == want
+                for piece in r.iter_bytes():
+                    got.update(piece)
+            assert got.hexdigest() == want
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        assert peak < 8 << 20, peak  # the file is 48 MiB
+        assert hashed.count("tokenizer.json") == 1, hashed
+        (ckpt / "tokenizer.json").write_bytes(big[::-1])
+        r = client.get("/v1/checkpoints/m/meta/tokenizer.json")
+        assert r.headers["x-reshard-sha256"] == hashlib.sha256(big[::-1]).hexdigest() == hashlib.sha256(r.content).hexdigest()
+        assert hashed.count("tokenizer.json") == 2

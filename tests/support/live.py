@@ -27,7 +27,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -110,20 +110,24 @@ class LiveServer:
 
 @contextlib.contextmanager
 def live_server(root: Path, *, token: str | None = None, out: Path | None = None, log_dir: Path | None = None,
-                startup_timeout: float = 60.0, workers: int = 1, **settings: Any) -> Iterator[LiveServer]:
+                startup_timeout: float = 60.0, workers: int = 1, command: Sequence[str] | None = None,
+                environ: dict[str, str] | None = None, **settings: Any) -> Iterator[LiveServer]:
     """`reshard serve --root ROOT --workers N` on 127.0.0.1:free port until the block ends (one worker
-    unless asked: the hardening tests use two)."""
+    unless asked: the hardening tests use two). `command` runs another `reshard` (an installed one, in
+    `environ`) instead of this checkout's."""
     # the session's verified-records directory (tests/conftest.py) goes along: write jobs record their files
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RESHARD_") or k == "RESHARD_VERIFIED_DIR"}
+    env = {k: v for k, v in (os.environ if environ is None else environ).items()
+           if not k.startswith("RESHARD_") or k == "RESHARD_VERIFIED_DIR"}
     env.update({f"RESHARD_{k.upper()}": str(v) for k, v in settings.items()})
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    if command is None:
+        env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("OMP_NUM_THREADS", "1")
     log_dir = log_dir or Path(root).parent
     if "://" in str(root):  # a root in a store: its cached blocks go with the logs, not to ~/.cache
         env.setdefault("RESHARD_STORE_CACHE_DIR", str(Path(log_dir) / f"store-cache-{os.getpid()}"))
     for _attempt in range(3):
         port = free_port()
-        cmd = [sys.executable, "-m", "reshard.cli", "serve", "--root", str(root), "--host", "127.0.0.1",
+        cmd = [*(command or (sys.executable, "-m", "reshard.cli")), "serve", "--root", str(root), "--host", "127.0.0.1",
                "--port", str(port), "--log-level", "warning", "--no-access-log", "--workers", str(workers)]
         if token:
             cmd += ["--token", token]
@@ -136,7 +140,7 @@ def live_server(root: Path, *, token: str | None = None, out: Path | None = None
         if _wait_healthy(srv, startup_timeout, workers):
             break
         _stop(proc)
-        if "address already in use" not in srv.log():
+        if "address already in use" not in srv.log() and " is in use " not in srv.log():  # uvicorn's, or serve's own
             raise RuntimeError(f"reshard serve did not start:\n{srv.log()}")
     else:
         raise RuntimeError("reshard serve: no free port after 3 tries")

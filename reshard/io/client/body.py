@@ -39,7 +39,7 @@ from reshard.io.client.wire import (
     layout_params,
 )
 from reshard.io.pread import pread_full
-from reshard.io.retry import Backoff, Retries, Retryable
+from reshard.io.retry import Backoff, Retries, Retryable, announce
 from reshard.layout.mesh import Layout
 
 if TYPE_CHECKING:
@@ -115,41 +115,55 @@ class ShardBody:
     def __init__(self, url: str, rank: int, tp: int | Layout, *, token: str | None = None, timeout: float = 60.0,
                  retries: int = 5, backoff: float = 0.25, rules: str | None = None, engine: str | None = None) -> None:
         self.url = checkpoint_url(url)
-        self.rank, self.tp, self.timeout, self.retries, self.backoff = rank, tp, timeout, retries, backoff
-        self.token, self.params = token, {k: v for k, v in (("rules", rules), ("engine", engine)) if v}
+        self.rank, self.tp = rank, tp
+        self.params = {k: v for k, v in (("rules", rules), ("engine", engine)) if v}
         self._shard = f"{self.url}/shards/{rank}"
         self._query = {**self.params, **layout_params(tp)}
-        self._auth = auth_headers(token)
-        self.name = f"{self.url} rank {rank}/{as_world(tp)}"
         self._client: ShardClient | None = None  # httpx, only to name an error answer
+        self._start(f"{self.url} rank {rank}/{as_world(tp)}", token=token, timeout=timeout, retries=retries,
+                    backoff=backoff)
+
+    def _start(self, name: str, *, token: str | None, timeout: float, retries: int, backoff: float) -> None:
+        """Set what every body of the service has, then send the request (`_send`) and check its answer."""
+        self.name, self.token, self.timeout, self.retries, self.backoff = name, token, timeout, retries, backoff
+        self._auth = auth_headers(token)
         self.pos, self.size, self.etag, self.sha256, self.verify = 0, 0, "", None, True
         self._conn: http.client.HTTPConnection | None = None
         self._resp: http.client.HTTPResponse | None = None
         # failures in a row: a byte received resets the count (`_recv`), across `readinto` calls
         self._tries = Retries(Backoff(retries, backoff, RETRY_CAP), give_up=lambda e: ReshardError(
-            f"{self.name}: giving up after {self.retries} retries at byte {self.pos}: {e or type(e).__name__}"))
+            f"{self.name}: giving up after {self.retries} retries at byte {self.pos}: {e or type(e).__name__}"),
+            on_retry=announce(self.name, retries))
         try:
             self._call(self._open)
         except BaseException:
             self.close()
             raise
 
-    def _open(self) -> int:
-        """(Re)send the GET from `self.pos`; check what answers it."""
-        self._disconnect()
+    def _send(self, headers: dict[str, str]) -> http.client.HTTPConnection:
+        """Send the request (with `headers`) on a new connection: `GET` of the shard."""
         conn, target = connect(self._shard + "?" + urlencode(self._query), timeout=self.timeout)
+        self._conn = conn
+        conn.request("GET", target, headers=headers)
+        return conn
+
+    def _refused(self, resp: http.client.HTTPResponse) -> None:
+        """Raise the error a 4xx answer names: asked again through the httpx client, as `ShardClient` raises it."""
+        self._disconnect()
+        self.client().head(self.rank, self.tp)
+
+    def _open(self) -> int:
+        """(Re)send the request from `self.pos`; check what answers it."""
+        self._disconnect()
         headers = {**self._auth, "Accept-Encoding": "identity"}
         if self.pos:
             headers.update({"Range": f"bytes={self.pos}-", "If-Range": self.etag})
-        self._conn = conn
-        conn.request("GET", target, headers=headers)
-        resp = conn.getresponse()
+        resp = self._send(headers).getresponse()
         self._resp = resp
         if resp.status >= 500:
             raise Retryable(f"HTTP {resp.status}")
         if resp.status >= 400:
-            self._disconnect()
-            self.client().head(self.rank, self.tp)  # raises the error the server names, as ShardClient does
+            self._refused(resp)
             raise Retryable(f"HTTP {resp.status}")
         self._check(resp)
         return 0
@@ -228,7 +242,7 @@ class ShardBody:
 
     def close(self) -> None:
         self._disconnect()
-        if self._client is not None:
+        if getattr(self, "_client", None) is not None:
             self._client.close()
 
 

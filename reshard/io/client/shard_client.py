@@ -43,15 +43,14 @@ from typing import Any
 
 import httpx
 
-from reshard import errors
-from reshard.errors import IntegrityError, NotFoundError, OutputPathError, ReshardError
+from reshard.errors import IntegrityError, OutputPathError, ReshardError
 from reshard.format.rank_file import rank_file_name
-from reshard.io.client.wire import RETRY_CAP, SHA_HEADER, as_world, auth_headers, layout_params
+from reshard.io.client.wire import RETRY_CAP, SHA_HEADER, answer_error, as_world, auth_headers, layout_params
 from reshard.io.client.wire import checkpoint_url as as_checkpoint_url
 from reshard.io.hashing import BackgroundHash, file_sha256
 from reshard.io.outfs import check_space, fsync_dir, made_dir, output_errors
 from reshard.io.progress import Progress
-from reshard.io.retry import Backoff, Retries, Retryable
+from reshard.io.retry import Backoff, Retries, Retryable, announce
 from reshard.layout.mesh import Layout
 
 _CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/(\d+)$")
@@ -339,7 +338,8 @@ class ShardClient:
     def _tries(self, give_up: Callable[[BaseException], BaseException]) -> Retries:
         """The failures of one request or transfer: waits doubling from `backoff`, at most `RETRY_CAP`
         seconds; `give_up(error)` raised after `retries` of them in a row."""
-        return Retries(Backoff(self.retries, self.backoff, RETRY_CAP), give_up=give_up)
+        return Retries(Backoff(self.retries, self.backoff, RETRY_CAP), give_up=give_up,
+                       on_retry=announce(self.url, self.retries))
 
     @staticmethod
     def _check(r: httpx.Response) -> None:
@@ -350,15 +350,7 @@ class ShardClient:
             r.read()
         if r.status_code in _RETRY_STATUS:
             raise Retryable(f"HTTP {r.status_code}")
-        try:
-            body = r.json()
-            name, detail = str(body.get("error")), str(body.get("detail"))
-        except (ValueError, AttributeError):
-            name, detail = "", r.text[:300]
-        cls = getattr(errors, name, None)
-        if not (isinstance(cls, type) and issubclass(cls, ReshardError)):
-            cls = NotFoundError if r.status_code == 404 else ReshardError
-        raise cls(f"{r.request.method} {r.request.url}: HTTP {r.status_code} {name}: {detail}")
+        raise answer_error(r.status_code, r.content, f"{r.request.method} {r.request.url}")
 
 
 def _total(content_range: str | None) -> int | None:

@@ -16,7 +16,9 @@ waits for the report and reads the bytes from the memfd as from a local rank fil
 views of a private mapping of it (`reshard.fill.mapped_params`), nothing copied, nothing hashed twice. Any
 other source, rank or layout, or a failed fetch (the report names the error), is pulled as usual.
 The memory is the memfd's (shared memory: RssShmem of the rank once touched), freed when the rank's
-tensors and descriptors are gone.
+tensors and descriptors are gone. A fetcher dies with its launcher (PR_SET_PDEATHSIG, from the fork on:
+a launcher stopped during its imports leaves none running), and a rank waits for its fetch at most
+`RESHARD_PREFETCH_TIMEOUT` seconds, then stops it and pulls the shard itself.
 """
 
 from __future__ import annotations
@@ -25,17 +27,22 @@ import contextlib
 import fcntl
 import hashlib
 import json
+import logging
 import mmap
 import os
+import select
+import signal
 from pathlib import Path
 from typing import Any
 
 from reshard.io.client.body import FileBody
 from reshard.io.client.wire import checkpoint_url, layout_params
+from reshard.io.owners import die_with
 from reshard.layout.mesh import Layout
 from reshard.settings import env_name, library_settings
 
 ENV = env_name("prefetch")
+log = logging.getLogger("reshard.io")
 PIECE = 16 << 20
 # a fetcher's CPU priority: the lowest, so that it takes the cores the launcher's imports (one thread)
 # leave idle and never slows them. At normal priority, on 2 cores at tp=2 over loopback, the fetch
@@ -50,8 +57,10 @@ def start(url: str, rank: int, layout: int | Layout) -> dict[str, Any]:
     needs to find it: `RESHARD_PREFETCH` is `json.dumps` of this."""
     fd = os.memfd_create(f"reshard-rank-{rank}", os.MFD_ALLOW_SEALING)
     status_r, status_w = os.pipe()
+    parent = os.getpid()
     pid = os.fork()
     if pid == 0:
+        die_with(parent, signal.SIGKILL)  # a launcher that dies (even during its imports) takes its fetchers
         os.close(status_r)
         _fetch(url, rank, layout, fd, status_w)  # never returns
     os.close(status_w)
@@ -105,7 +114,13 @@ def take(url: str, rank: int, layout: int | Layout) -> FileBody | None:
         return None
     del os.environ[ENV]  # taken once: a second fill pulls as usual
     with os.fdopen(d["status"], "rb") as f:
-        line = f.read()
+        ready, _, _ = select.select([f], [], [], library_settings().prefetch_timeout)
+        line = f.read() if ready else b""
+    if not ready:  # a fetch that stalled: stop it, and pull as usual (with the client's own deadlines)
+        with contextlib.suppress(OSError):
+            os.kill(d["pid"], signal.SIGKILL)
+        log.warning("the prefetch of rank %d did not finish within %s s (RESHARD_PREFETCH_TIMEOUT): stopped it; "
+                    "pulling the shard now", rank, library_settings().prefetch_timeout)
     report = json.loads(line or b"{}")
     try:
         if "sha256" not in report:

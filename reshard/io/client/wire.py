@@ -7,11 +7,13 @@
 from __future__ import annotations
 
 import http.client
+import json
 import re
 import ssl
 from urllib.parse import urlsplit
 
-from reshard.errors import ReshardError
+from reshard import errors
+from reshard.errors import NotFoundError, ReshardError
 from reshard.layout.mesh import Layout
 from reshard.settings import env_name, library_settings
 
@@ -20,6 +22,11 @@ SHA_HEADER = "x-reshard-sha256"
 RETRY_CAP = 10.0  # seconds: the longest wait between two tries of a request to the service (`reshard.io.retry`)
 # NAME, or NAME/optimizer: a training checkpoint's optimizer state (`reshard.service.catalog.PARTS`)
 _CKPT_URL = re.compile(r"^https?://[^/]+(/.*)?/v1/checkpoints/[A-Za-z0-9][A-Za-z0-9._-]*(/optimizer)?$")
+
+
+def is_checkpoint_url(spec: object) -> bool:
+    """Whether `spec` is the service's checkpoint URL (http://HOST:PORT/v1/checkpoints/NAME), not a store's."""
+    return isinstance(spec, str) and bool(_CKPT_URL.match(spec.rstrip("/")))
 
 
 def checkpoint_url(url: str) -> str:
@@ -60,4 +67,19 @@ def connect(url: str, *, timeout: float) -> tuple[http.client.HTTPConnection, st
     return conn, u.path + (f"?{u.query}" if u.query else "")
 
 
-__all__ = ["RETRY_CAP", "SHA_HEADER", "TOKEN_ENV", "as_world", "auth_headers", "checkpoint_url", "connect", "layout_params"]
+def answer_error(status: int, body: bytes, what: str) -> ReshardError:
+    """The library error a 4xx answer of the service names (`{"error": CLASS, "detail": ...}`), as it was
+    raised on the server; `what` (the request) leads its message."""
+    try:
+        obj = json.loads(body)
+        name, detail = str(obj.get("error")), str(obj.get("detail"))
+    except (ValueError, AttributeError):
+        name, detail = "", body[:300].decode("utf-8", "replace")
+    cls = getattr(errors, name, None)
+    if not (isinstance(cls, type) and issubclass(cls, ReshardError)):
+        cls = NotFoundError if status == 404 else ReshardError
+    return cls(f"{what}: HTTP {status} {name}: {detail}")
+
+
+__all__ = ["RETRY_CAP", "SHA_HEADER", "TOKEN_ENV", "answer_error", "as_world", "auth_headers", "checkpoint_url", "connect",
+           "is_checkpoint_url", "layout_params"]

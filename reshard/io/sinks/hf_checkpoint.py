@@ -15,10 +15,16 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from reshard.errors import CheckpointError, PlanError
-from reshard.format.checkpoint import CONFIG_NAME, INDEX_NAME, SINGLE_NAME
-from reshard.format.rank_file import OPTIMIZER_DIR, OPTIMIZER_SLOTS, parse_optimizer_tensor_name
+from reshard.errors import CheckpointError, IntegrityError, PlanError
+from reshard.format.checkpoint import INDEX_NAME, MANIFEST_NAME, SINGLE_NAME, parse_json
+from reshard.format.rank_file import (
+    OPTIMIZER_DIR,
+    OPTIMIZER_SLOTS,
+    TRAINER_STATE_NAME,
+    parse_optimizer_tensor_name,
+)
 from reshard.format.selection import full_selection
+from reshard.io.hashing import file_sha256
 from reshard.io.outfs import (
     check_space,
     fsync_dir,
@@ -28,11 +34,14 @@ from reshard.io.outfs import (
     write_json_atomic,
 )
 from reshard.io.progress import Progress
+from reshard.io.sinks.target import check_not_source
 from reshard.io.sinks.writer import write_files
 from reshard.io.source.opener import open_shards
 from reshard.io.source.rank_dir import ShardSet
-from reshard.io.source.remote_dir import copy_beside
+from reshard.io.source.remote_dir import copy_meta_files
+from reshard.io.source.schemes import check_scheme
 from reshard.io.source.stores import is_url
+from reshard.io.verified import record, trusted
 from reshard.plan.segments import layout, segments_for
 from reshard.plan.types import OutTensor, RankPlan, source_files
 
@@ -67,8 +76,13 @@ def merge(src: str | Path, out: str | Path, *, max_file_bytes: int = DEFAULT_MAX
           progress: bool | None = None, optimizer: bool = False) -> dict[str, Any]:
     """Merge the rank shards in `src` into an HF checkpoint in `out`; returns a summary. With `optimizer`,
     `src` is a training checkpoint and its AdamW moments are merged too (the module docstring)."""
+    check_scheme(out)
     shards = open_shards(src)
+    check_not_source(out, shards.root, command="merge", shards=True)
     moments = open_shards(_optimizer_src(src)) if optimizer else None  # refused before anything is written
+    for s in (shards, moments):
+        if s is not None:
+            check_recorded(s)
     summary = _merge_into(shards, out, merge_plans(shards, max_file_bytes=max_file_bytes), progress)
     if moments is not None:
         summary["optimizer"] = {}
@@ -78,6 +92,43 @@ def merge(src: str | Path, out: str | Path, *, max_file_bytes: int = DEFAULT_MAX
             where = Path(out) / OPTIMIZER_DIR / slot
             summary["optimizer"][slot] = {"dir": f"{OPTIMIZER_DIR}/{slot}", **_merge_into(moments, where, plans, progress)}
     return summary
+
+
+def check_recorded(shards: ShardSet) -> None:
+    """Where the rank files' digests are recorded beside them (`reshard.json` of a write, a training
+    checkpoint's `trainer_state.json`), the rank files must be the ones recorded and hash to them: a
+    rank file of another write put in their place is refused before anything is merged."""
+    if not isinstance(shards.root, Path):
+        return  # a store's or the service's files: their digests are checked as they are read
+    recorded: dict[str, str] = {}
+    for where, prefix in ((shards.root / MANIFEST_NAME, ""), (shards.root / TRAINER_STATE_NAME, ""),
+                          (shards.root.parent / TRAINER_STATE_NAME, f"{shards.root.name}/")):
+        if where.is_file():
+            files = parse_json(where.read_bytes(), str(where)).get("files") or {}
+            recorded.update({k[len(prefix):]: v["sha256"] if isinstance(v, dict) else v
+                             for k, v in files.items() if k.startswith(prefix) and "/" not in k[len(prefix):]})
+            break
+    if not recorded:
+        return
+    for info in shards.files:
+        name = Path(info.path).name
+        if name not in recorded:
+            raise IntegrityError(f"{info.path}: not among the rank files {where.name} records beside it: a file of "
+                                 "another write; write or save the checkpoint again")
+        check_file(info.path, recorded[name], fix="a file of another write, or damaged; write or save it again")
+
+
+def check_file(path: str | Path, sha256: str, *, fix: str) -> None:
+    """`IntegrityError` (naming the file and `fix`) unless `path` hashes to `sha256`: trusted without
+    hashing while it is unchanged since it was verified or written (`reshard.io.verified`), else hashed
+    (and recorded)."""
+    with open(path, "rb") as f:
+        if trusted(f.fileno(), sha256):
+            return
+        got = file_sha256(Path(path))
+        if got != sha256:
+            raise IntegrityError(f"{path}: sha256 {got[:16]}... does not match the recorded {sha256[:16]}...: {fix}")
+        record(f.fileno(), sha256, path=path)
 
 
 def _optimizer_src(src: str | Path) -> str | Path:
@@ -105,7 +156,6 @@ def _merge_into(shards: ShardSet, out: str | Path, plans: list[tuple[str, RankPl
         if len(plans) > 1:
             weight_map = {t.name: fname for fname, p in plans for t in p.tensors}
             write_json_atomic(out / INDEX_NAME, {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))})
-        if shards.config is not None:  # read (and validated) from config.json when the shards were opened
-            copy_beside(shards.root, CONFIG_NAME, out / CONFIG_NAME)
-    return {"files": [f for f, _ in plans], "tensors": sum(len(p.tensors) for _, p in plans), "bytes": total,
+        kept = copy_meta_files(shards.root, out)  # config.json (validated when the shards were opened), tokenizer...
+    return {"files": [f for f, _ in plans], "kept": kept, "tensors": sum(len(p.tensors) for _, p in plans), "bytes": total,
             "tp": shards.tp, "layout": shards.layout.sizes()}

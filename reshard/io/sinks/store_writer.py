@@ -15,12 +15,12 @@ import json
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from reshard.format.checkpoint import CONFIG_NAME, Source
+from reshard.format.checkpoint import Source
 from reshard.format.rank_file import rank_file_name
 from reshard.io.progress import Progress
 from reshard.io.rank_stream import CHUNK, RankStream
 from reshard.io.sinks.writer import MANIFEST_NAME, complete_record, record_of_plan
-from reshard.io.source.remote_dir import read_file
+from reshard.io.source.remote_dir import meta_files_at, read_file
 from reshard.io.source.stores import store_for
 from reshard.plan.types import Plan, RankPlan
 
@@ -61,8 +61,8 @@ def write_to_store(ckpt: Source, plan: Plan, out_url: str, *, progress: bool | N
         store.put(key(name), _rank_body(rp, sha, done), chunk_size=PART, concurrency=UPLOADS_IN_FLIGHT)
         record["files"][name] = {"rank": rp.rank, "size": rp.size, "sha256": sha.hexdigest()}
     bar.close()
-    if ckpt.config is not None:
-        store.put(key(CONFIG_NAME), read_file(ckpt.root, CONFIG_NAME))
+    for name in meta_files_at(ckpt.root):  # config.json, generation config, tokenizer: what the source has
+        store.put(key(name), read_file(ckpt.root, name))
     record = complete_record(record, ckpt, plan)
     store.put(key(MANIFEST_NAME), (json.dumps(record, indent=2, sort_keys=True) + "\n").encode())
     return record

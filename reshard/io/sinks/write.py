@@ -23,8 +23,11 @@ from typing import Any
 
 from reshard.format.checkpoint import Source
 from reshard.io.sinks.store_writer import write_to_store
+from reshard.io.sinks.target import check_not_source, check_target, remove_names
 from reshard.io.sinks.writer import write_to_dir
 from reshard.io.source.mapped_files import MAPS
+from reshard.io.source.rank_dir import ShardSet
+from reshard.io.source.schemes import check_scheme
 from reshard.io.source.stores import is_url
 from reshard.io.verified import record_written
 from reshard.plan.types import Plan
@@ -32,7 +35,7 @@ from reshard.plan.types import Plan
 
 def write_shards(
     ckpt: Source, plan: Plan, out: str | os.PathLike[str], *, progress: bool | None = None,
-    on_bytes: Callable[[int], None] | None = None, writers: int | None = None,
+    on_bytes: Callable[[int], None] | None = None, writers: int | None = None, force: bool = False,
 ) -> dict[str, Any]:
     """Write every rank in `plan` to `out`, then `reshard.json`; returns the record it wrote.
 
@@ -46,7 +49,16 @@ def write_shards(
     keeper thread are installed once per process; mappings are dropped when the write ends unless
     the process had them on); from another thread the process's own choice holds (a server worker's
     `mapped_reads` setting). Local rank files are then recorded as verified.
+
+    Refused before anything is written (`reshard.io.sinks.target`): an `out` that is the source itself,
+    or that holds rank files of another layout; with `force`, those are removed first, and rank files
+    may go beside a checkpoint's own weights.
     """
+    check_scheme(out)
+    check_not_source(out, ckpt.root, command="write", shards=isinstance(ckpt, ShardSet), force=force)
+    stale = check_target(out, plan.layout, force=force)
+    if stale:
+        remove_names(out, stale)
     if is_url(out):
         with _mapped_reads():
             return write_to_store(ckpt, plan, str(out), progress=progress, on_bytes=on_bytes)

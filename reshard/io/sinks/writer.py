@@ -11,7 +11,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
-from reshard.format.checkpoint import CONFIG_NAME, Source
+from reshard.format.checkpoint import Source
 from reshard.format.rank_file import rank_file_name
 from reshard.io.hashing import file_sha256
 from reshard.io.outfs import (
@@ -26,7 +26,7 @@ from reshard.io.outfs import (
 from reshard.io.progress import Progress
 from reshard.io.rank_stream import RankStream
 from reshard.io.sinks.outfile import Buffers, OutFile
-from reshard.io.source.remote_dir import copy_beside
+from reshard.io.source.remote_dir import copy_meta_files
 from reshard.plan.types import Plan, RankPlan
 
 MANIFEST_NAME = "reshard.json"
@@ -193,8 +193,7 @@ def _write_into(out: Path, ckpt: Source, plan: Plan, *, progress: bool | None,
     bar.close()
     with output_errors(out, retry=RETRY):
         fsync_dir(out)
-        if ckpt.config is not None:
-            copy_beside(ckpt.root, CONFIG_NAME, out / CONFIG_NAME)
+        copy_meta_files(ckpt.root, out)  # config.json, generation config, tokenizer: what the source has
         record["files"] = published.files
         write_json_atomic(out / MANIFEST_NAME, complete_record(record, ckpt, plan))
         published.complete()
@@ -213,6 +212,16 @@ def complete_record(record: dict[str, Any], ckpt: Source, plan: Plan) -> dict[st
         config=ckpt.config,
     )
     return record
+
+
+def pulled_record(files: dict[str, Any], *, plan: dict[str, Any], source_url: str,
+                  config: dict[str, Any] | None) -> dict[str, Any]:
+    """What `reshard.json` says of rank files pulled from the service (`reshard write URL`): the service's
+    plan (`plan_to_json`'s head: tp, layout, digest, manifest source) in place of a local one."""
+    return {"files": files, "format": "reshard/1", "tp": plan["tp"],
+            **({"layout": plan["layout"], "world": plan["world"]} if plan.get("layout") else {}),
+            "plan": plan["plan"], "source": {"url": source_url}, "manifest": {"source": plan["manifest_source"]},
+            "config": config}
 
 
 class _Published:

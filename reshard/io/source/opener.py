@@ -19,12 +19,13 @@ from reshard.errors import CheckpointError, ManifestError
 from reshard.format.checkpoint import INDEX_NAME, SINGLE_NAME, Checkpoint
 from reshard.io.source.rank_dir import ShardSet, has_rank_files, is_shard_dir
 from reshard.io.source.remote_dir import RemoteDirectory
+from reshard.io.source.schemes import check_scheme
 from reshard.io.source.stores import RemotePath, is_url
 from reshard.rules.engines import apply_engine
 from reshard.rules.from_config import RULES_FILES, from_config, resolve_manifest
 from reshard.rules.manifest import Manifest
 
-__all__ = ["checkpoint_manifest", "open_checkpoint", "open_shards", "open_source"]
+__all__ = ["checkpoint_manifest", "open_checkpoint", "open_shards", "open_source", "open_tensors"]
 
 
 def open_source(
@@ -36,15 +37,34 @@ def open_source(
     return source, apply_engine(manifest, engine, list(source.global_tensors()) if engine else ())
 
 
-def _open_source(path: str | os.PathLike[str], rules: str | Path | None) -> tuple[Checkpoint | ShardSet, Manifest]:
+def open_tensors(path: str | os.PathLike[str]) -> Checkpoint | ShardSet:
+    """The source at `path` (local or a URL) with every header validated and no manifest resolved: a
+    checkpoint, or a directory of rank shards (what a reader that names its own boxes needs)."""
+    return _tensors(path)[0]
+
+
+def _tensors(path: str | os.PathLike[str]) -> tuple[Checkpoint | ShardSet, RemoteDirectory | None]:
+    """(the source, the remote directory it is in, None for a local one)."""
+    check_scheme(path)
     if is_url(path):
-        return _open_remote(str(path), rules)
+        d = _remote_dir(str(path))
+        names = d.names()
+        if has_rank_files(names) and SINGLE_NAME not in names and INDEX_NAME not in names:
+            return ShardSet.open(d), d
+        return Checkpoint.from_directory(d), d
     p = Path(path)
     if is_shard_dir(p) and not (p / SINGLE_NAME).exists() and not (p / INDEX_NAME).exists():
-        shards = ShardSet.open(p)
-        return shards, (Manifest.load(rules) if rules is not None else shards.manifest())
-    ckpt = Checkpoint.open(p)
-    return ckpt, resolve_manifest(ckpt.root, ckpt.config, list(ckpt.tensors), rules)
+        return ShardSet.open(p), None
+    return Checkpoint.open(p), None
+
+
+def _open_source(path: str | os.PathLike[str], rules: str | Path | None) -> tuple[Checkpoint | ShardSet, Manifest]:
+    source, d = _tensors(path)
+    if isinstance(source, ShardSet):
+        return source, (Manifest.load(rules) if rules is not None else source.manifest())
+    if d is not None:
+        return source, (Manifest.load(rules) if rules is not None else checkpoint_manifest(source, d))
+    return source, resolve_manifest(source.root, source.config, list(source.tensors), rules)
 
 
 def _remote_dir(url: str):  # -> RemoteDirectory
@@ -54,16 +74,6 @@ def _remote_dir(url: str):  # -> RemoteDirectory
             f"no {INDEX_NAME} or {SINGLE_NAME} there, and a plain HTTP server cannot list files"
         raise CheckpointError(f"{url}: no such checkpoint ({what})")
     return d
-
-
-def _open_remote(url: str, rules: str | Path | None) -> tuple[Checkpoint | ShardSet, Manifest]:
-    d = _remote_dir(url)
-    names = d.names()
-    if has_rank_files(names) and SINGLE_NAME not in names and INDEX_NAME not in names:
-        shards = ShardSet.open(d)
-        return shards, (Manifest.load(rules) if rules is not None else shards.manifest())
-    ckpt = Checkpoint.from_directory(d)
-    return ckpt, (Manifest.load(rules) if rules is not None else checkpoint_manifest(ckpt, d))
 
 
 def checkpoint_manifest(ckpt: Checkpoint, d=None) -> Manifest:  # noqa: ANN001 (d: RemoteDirectory)
@@ -94,11 +104,13 @@ def _remote_manifest(d, name: str) -> Manifest:
 
 def open_checkpoint(url: str | os.PathLike[str]) -> Checkpoint:
     """A plain checkpoint (not rank shards) at a local path or URL."""
+    check_scheme(url)
     return Checkpoint.from_directory(_remote_dir(str(url))) if is_url(url) else Checkpoint.open(url)
 
 
 def open_shards(url: str | os.PathLike[str]) -> ShardSet:
     """The rank shards at a local path or URL (a store that can list)."""
+    check_scheme(url)
     return ShardSet.open(_remote_dir(str(url)) if is_url(url) else Path(url))
 
 

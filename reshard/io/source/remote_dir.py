@@ -18,6 +18,7 @@ from typing import Any
 
 from reshard.errors import CheckpointError
 from reshard.format.checkpoint import FileInfo, TensorInfo, header_bytes_wanted, header_from
+from reshard.format.meta_files import KEPT_NAMES
 from reshard.io.outfs import atomic_file, copy_atomic
 from reshard.io.source import store_cache
 from reshard.io.source.stores import RemotePath, object_version, settled, store_for
@@ -145,6 +146,24 @@ def read_file(root: Path | RemotePath, name: str) -> bytes:
     if isinstance(root, RemotePath):
         return RemoteDirectory(root.url).read_bytes(name)
     return (Path(root) / name).read_bytes()
+
+
+def meta_files_at(root: Path | RemotePath) -> list[str]:
+    """Which of a checkpoint's small files other than the training state (config.json, generation config,
+    tokenizer files: `reshard.format.meta_files.KEPT_NAMES`) are beside a source, local or remote."""
+    if not isinstance(root, RemotePath):
+        return [n for n in KEPT_NAMES if (Path(root) / n).is_file()]
+    d = RemoteDirectory(root.url)
+    return [n for n in KEPT_NAMES if d.is_file(n)]
+
+
+def copy_meta_files(root: Path | RemotePath, dest: Path) -> list[str]:
+    """Copy a source's small files (`meta_files_at`) into the local directory `dest`, each atomically;
+    their names."""
+    names = meta_files_at(root)
+    for name in names:
+        copy_beside(root, name, dest / name)
+    return names
 
 
 def copy_beside(root: Path | RemotePath, name: str, dest: Path) -> None:

@@ -15,6 +15,9 @@ process answers them.
   A block is written under a temporary name and renamed whole: a partial block is never read. The
   temporary name carries its writer (`.K.PID-START.THREAD`, `reshard.io.owners.owner_tag`): one that a
   killed process left is removed at the next sweep, and a worker's start sweeps (`enable`).
+- Sealed: each block file ends with the sha256 of its bytes (`reshard.io.sealed`), checked once per
+  version of the file per process before it is read; a block changed in place, or replaced by a
+  symlink, is deleted and fetched again, never served.
 - Bounded: at most `max_bytes` of blocks; past it the least recently used are deleted (a reader that
   has a block open keeps reading it). A block that cannot be written (full disk, read-only) is still
   used from memory by the pull that fetched it, and the failure is logged once: the cache never fails
@@ -44,6 +47,7 @@ from reshard.errors import SourceChangedError
 from reshard.io.outfs import delete_oldest, flocked
 from reshard.io.owners import TAG, owner_gone, owner_tag
 from reshard.io.pread import pread_full
+from reshard.io.sealed import Sealer, open_sealed, touch_used
 
 log = logging.getLogger("reshard.io")
 
@@ -89,20 +93,13 @@ class Block:
 
 
 def _opened(path: Path, size: int, *, hit: bool = True) -> Block | None:
-    """The block file at `path`, open, if it is there whole (recently used from now on: evicted last)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
+    """The block file at `path`, open, if it is there whole and sealed (`reshard.io.sealed`: a block whose
+    bytes changed since it was stored, or a symlink, is deleted and reported missing, so it is fetched
+    again); recently used from now on (evicted last)."""
+    fd = open_sealed(path, size)
+    if fd is None:
         return None
-    try:
-        if os.fstat(fd).st_size != size:  # not a whole block (cannot happen: blocks are renamed in whole)
-            os.close(fd)
-            return None
-        with contextlib.suppress(OSError):
-            os.utime(fd)
-    except OSError:
-        os.close(fd)
-        return None
+    touch_used(fd)  # its atime is the eviction's clock (the mtime dates its bytes)
     return Block(fd, size, hit=hit)
 
 
@@ -184,6 +181,7 @@ class StoreCache:
         tmp = where / f".{path.name}.{owner_tag()}.{threading.get_ident()}"
         got: list[memoryview] = []  # the pieces, for the in-memory block if the file fails
         failed: OSError | None = None
+        sealer = Sealer()
         try:
             f = open(tmp, "wb")  # noqa: SIM115  (closed below, or where it fails)
         except OSError as e:
@@ -191,6 +189,7 @@ class StoreCache:
         try:
             for piece in pieces:
                 got.append(piece)
+                sealer.update(piece)
                 if f is not None:
                     try:
                         f.write(piece)
@@ -201,6 +200,7 @@ class StoreCache:
             if (total := sum(len(p) for p in got)) != n:
                 raise SourceChangedError(f"{url}: block {path.name} came with {total} bytes, planned {n}; re-plan")
             if f is not None:
+                f.write(sealer.trailer())
                 f.close()
                 f = None
                 fd = os.open(tmp, os.O_RDONLY | os.O_CLOEXEC)
@@ -241,7 +241,7 @@ class StoreCache:
                     with contextlib.suppress(OSError):
                         st = e.stat()
                         if e.name.isdigit():
-                            blocks.append((st.st_mtime, st.st_size, e.path))
+                            blocks.append((st.st_atime, st.st_size, e.path))
                         elif e.name.startswith("."):
                             m = _TEMP.match(e.name)
                             if owner_gone(Path(e.path), m.group(1) if m else None, ownerless_age=_STALE):

@@ -22,7 +22,7 @@ import functools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from reshard.errors import ManifestError, PlanError
+from reshard.errors import ManifestError, PlanError, TpMismatchError
 from reshard.format.selection import Interval, Selection, full_selection
 from reshard.rules.kinds import (
     ReplicateLoader,
@@ -96,11 +96,10 @@ class QuantizedWeightLoader(SliceLoader):
         if bad is not None:
             d, b, at = bad
             good = [t for t in range(1, MAX_LISTED_TP + 1) if self._works(shape, t)]
-            raise PlanError(
+            raise TpMismatchError(
                 f"dim {d} has size {shape[d]} and tp={world_size} puts a rank boundary at {at}, inside a "
-                f"scale block of {b} (block {list(self.block)}), which two ranks would share; "
-                f"pick tp in {{{','.join(map(str, good))}}}"
-            )
+                f"scale block of {b} (block {list(self.block)}), which two ranks would share",
+                f"pick tp in {{{','.join(map(str, good))}}}")
         return sel
 
 

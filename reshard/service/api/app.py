@@ -15,12 +15,20 @@ from pathlib import Path
 
 from fastapi import Depends, FastAPI
 from fastapi.security import HTTPBearer
+from fastapi_offline import FastAPIOffline
 
 import reshard
 from reshard.io.source import store_cache
 from reshard.io.source.stores import FETCH_HOOKS
-from reshard.service.api.middleware import DOC_PATHS, PUBLIC_PATHS, BearerAuth, BodyLimit, RequestMetrics
-from reshard.service.api.routers import checkpoints, health, jobs, meta, metrics, shards
+from reshard.service.api.middleware import (
+    DOC_ASSETS,
+    DOC_PATHS,
+    PUBLIC_PATHS,
+    BearerAuth,
+    BodyLimit,
+    RequestMetrics,
+)
+from reshard.service.api.routers import boxes, checkpoints, health, jobs, meta, metrics, shards
 from reshard.service.api.uploads import remove_dead_uploads
 from reshard.service.catalog import Catalog
 from reshard.service.http_errors import install_error_handlers
@@ -39,12 +47,17 @@ DESCRIPTION = """Tensor-parallel workers pull exactly their own shard of a check
 this server, computed on the fly from the unmodified full checkpoint.
 
 Checkpoints are the directories under the server's root. Every endpoint except `/healthz` needs
-`Authorization: Bearer TOKEN` when the server was started with a token. Errors answer
-`{"error": ..., "detail": ...}` with a 4xx status."""
+`Authorization: Bearer TOKEN` when the server was started with a token: on /docs, **Authorize**
+with it to try them. Errors answer `{"error": ..., "detail": ...}` with a 4xx status."""
+
+# /docs and /redoc load Swagger UI and ReDoc from the service itself (the files fastapi-offline ships),
+# never from a CDN, so the page works on an offline cluster; no online validator badge either
+SWAGGER_UI = {"validatorUrl": None}
 
 TAGS = [
     {"name": "checkpoints", "description": "What is served, its manifest, uploads."},
     {"name": "shards", "description": "Rank shards as safetensors bytes; their digests."},
+    {"name": "boxes", "description": "Blocks of tensors a client names, as safetensors bytes; their digests."},
     {"name": "jobs", "description": "Write rank files into the output directory in the background."},
     {"name": "metrics", "description": "Prometheus metrics."},
     {"name": "health", "description": "Liveness."},
@@ -55,6 +68,15 @@ def _is_upload(path: str) -> bool:
     """`PUT /v1/checkpoints/{name}/files/{filename}` streams to disk under `max_upload_bytes`."""
     parts = path.split("/")
     return len(parts) == 6 and parts[1:3] == ["v1", "checkpoints"] and parts[4] == "files"
+
+
+_BOXES_TAILS = [["boxes"], ["boxes", "digest"], ["optimizer", "boxes"], ["optimizer", "boxes", "digest"]]
+
+
+def _is_boxes(path: str) -> bool:
+    """`POST /v1/checkpoints/{name}[/optimizer]/boxes[/digest]`: a list of boxes, under `max_boxes_body_bytes`."""
+    parts = path.split("/")
+    return parts[1:3] == ["v1", "checkpoints"] and parts[4:] in _BOXES_TAILS
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -89,8 +111,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             restore()
             job_manager.shutdown()
 
-    app = FastAPI(title="reshard", version=reshard.__version__, description=DESCRIPTION,
-                  openapi_tags=TAGS, lifespan=lifespan)
+    app = FastAPIOffline(title="reshard", version=reshard.__version__, description=DESCRIPTION, openapi_tags=TAGS,
+                         lifespan=lifespan, static_url=DOC_ASSETS, swagger_ui_parameters=SWAGGER_UI)
     app.state.settings = settings
     app.state.catalog = catalog
     app.state.digests = digests
@@ -102,14 +124,17 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     install_error_handlers(app)
 
     # the token is checked by middleware (one place, every route); this declares it in the OpenAPI doc
-    secured = [] if settings.token is None else [Depends(HTTPBearer(auto_error=False, description="--token"))]
+    bearer = HTTPBearer(auto_error=False, description="the server's --token (RESHARD_TOKEN)")
+    secured = [] if settings.token is None else [Depends(bearer)]
     app.include_router(health.router)
-    for module in (checkpoints, meta, shards, jobs, metrics):
+    for module in (checkpoints, meta, shards, boxes, jobs, metrics):
         app.include_router(module.router, dependencies=secured)
 
-    app.add_middleware(BodyLimit, limit=settings.max_body_bytes, exempt=_is_upload)
+    app.add_middleware(BodyLimit, limit=settings.max_body_bytes, exempt=lambda p: _is_upload(p) or _is_boxes(p))
+    app.add_middleware(BodyLimit, limit=settings.max_boxes_body_bytes, exempt=lambda p: not _is_boxes(p))
     if settings.token is not None:
         public = PUBLIC_PATHS | DOC_PATHS if settings.public_docs else PUBLIC_PATHS
-        app.add_middleware(BearerAuth, token=settings.token.get_secret_value(), public=public)
+        app.add_middleware(BearerAuth, token=settings.token.get_secret_value(), public=public,
+                           public_prefixes=(DOC_ASSETS + "/",) if settings.public_docs else ())
     app.add_middleware(RequestMetrics, metrics=service_metrics)
     return app

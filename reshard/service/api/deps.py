@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import functools
 import inspect
+import re
 from collections.abc import Callable
 from typing import Annotated, Any, Literal, TypeVar
 
 import anyio.to_thread
 from fastapi import Depends, Path, Query, Request
+from fastapi.exceptions import RequestValidationError
 
 from reshard.layout.mesh import DIMENSIONS, MAX_WORLD, Layout
 from reshard.rules.engines import known_engines
@@ -69,14 +71,25 @@ Name = Annotated[str, Path(description="checkpoint directory name under the root
                            json_schema_extra=_NAME_DOC)]
 
 
-def layout_query(**sizes: int) -> Layout:
+_CANONICAL = re.compile(r"[1-9][0-9]{0,8}")
+
+
+def layout_query(request: Request, **sizes: int) -> Layout:
     """The layout a request names: `?tp=`, `pp`, `fsdp`, `ep`, `dp_replicate` (each 1 unless given); an
-    impossible one (ep not a multiple of tp, ...) is a 422 naming the rule."""
+    impossible one (ep not a multiple of tp, ...) is a 422 naming the rule, and so is a size given twice
+    or not written as a plain decimal (`2.0`, `+2`, ` 2`, `02`: one request names one layout, one way)."""
+    for d in DIMENSIONS:
+        given = request.query_params.getlist(d.name)
+        if len(given) > 1 or (given and not _CANONICAL.fullmatch(given[0])):
+            why = f"given {len(given)} times" if len(given) > 1 else f"{given[0]!r} is not a plain decimal"
+            raise RequestValidationError([{"type": "value_error", "loc": ("query", d.name), "input": given,
+                                           "msg": f"{why}; give it once, as digits (e.g. {d.name}=2)"}])
     return Layout.from_sizes(sizes)
 
 
 # one query parameter per parallel dimension (`reshard.layout.mesh.DIMENSIONS`), as FastAPI reads a signature
 layout_query.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+    [inspect.Parameter("request", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=Request)] +
     [inspect.Parameter(d.name, inspect.Parameter.KEYWORD_ONLY, default=d.default,
                        annotation=Annotated[int, Query(ge=1, le=MAX_WORLD, description=d.help)]) for d in DIMENSIONS],
     return_annotation=Layout)

@@ -15,20 +15,24 @@ from reshard.service.prometheus import ServiceMetrics
 
 PUBLIC_PATHS = frozenset({"/healthz"})
 DOC_PATHS = frozenset({"/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
+DOC_ASSETS = "/docs/assets"  # Swagger UI's and ReDoc's scripts, styles and icon, served by the app itself
 
 
 class BearerAuth:
-    """When a token is set, every request but the public paths needs `Authorization: Bearer TOKEN`.
+    """When a token is set, every request but the public paths (and those under `public_prefixes`) needs
+    `Authorization: Bearer TOKEN`.
 
     The comparison is constant-time (`hmac.compare_digest`) on bytes.
     """
 
-    def __init__(self, app: ASGIApp, *, token: str, public: frozenset[str] = PUBLIC_PATHS) -> None:
-        self.app, self.public = app, public
+    def __init__(self, app: ASGIApp, *, token: str, public: frozenset[str] = PUBLIC_PATHS,
+                 public_prefixes: tuple[str, ...] = ()) -> None:
+        self.app, self.public, self.public_prefixes = app, public, public_prefixes
         self._expected = b"bearer " + token.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in self.public:
+        path = scope.get("path", "")
+        if scope["type"] != "http" or path in self.public or path.startswith(self.public_prefixes):
             await self.app(scope, receive, send)
             return
         given = b""
@@ -40,7 +44,10 @@ class BearerAuth:
         given = given[:7].lower() + given[7:]
         if not hmac.compare_digest(given, self._expected):
             why = "missing" if not given else "wrong"
-            exc = Unauthorized(f"{why} bearer token: send `Authorization: Bearer TOKEN` (the server's --token)")
+            fix = "send `Authorization: Bearer TOKEN` (the server's --token)"
+            if path in DOC_PATHS or path.startswith(DOC_ASSETS + "/"):  # a browser cannot send the header
+                fix += "; to read the API page without it, start the server with --public-docs"
+            exc = Unauthorized(f"{why} bearer token: {fix}")
             await response_for(exc)(scope, receive, send)
             return
         await self.app(scope, receive, send)

@@ -8,6 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field, create_model
 
 from reshard.layout.mesh import DIMENSIONS
 from reshard.plan.types import MAX_TP
+from reshard.service.serve_settings import BOXES_CAP
 
 # checkpoint names and manifest labels as documented in the OpenAPI description (and enforced for JobIn.rules)
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_-]*(\.[A-Za-z0-9_-]+)*$"
@@ -177,3 +178,47 @@ class JobOut(BaseModel):
     created_at: float
     started_at: float | None
     finished_at: float | None
+
+
+class BoxIn(BaseModel):
+    """A block of a tensor: `sizes[d]` indices from `offsets[d]` along each dim d (a 0-d tensor: both empty)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1, max_length=4096, description="the tensor's name in the checkpoint")
+    offsets: list[Annotated[int, Field(ge=0, strict=True)]] = Field(max_length=64, description="first index per dim")
+    sizes: list[Annotated[int, Field(ge=0, strict=True)]] = Field(max_length=64, description="length per dim")
+
+
+class BoxesIn(BaseModel):
+    """Boxes of the checkpoint's tensors, answered as one safetensors file (an entry per box)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    boxes: list[BoxIn] = Field(min_length=1, max_length=BOXES_CAP, description="the boxes (counted before any is "
+                               "validated), each answered as an entry named by its tensor (or, where a tensor has "
+                               "several, by the tensor's name and the block: NAME[a:b,c:d])")
+
+
+def inlined_schema(model: type[BaseModel]) -> dict[str, Any]:
+    """`model`'s JSON schema with its `$defs` put in place (for an OpenAPI request body given by hand)."""
+    schema = model.model_json_schema()
+    defs = schema.pop("$defs", {})
+
+    def walk(node: Any) -> Any:
+        if isinstance(node, dict):
+            ref = node.get("$ref", "")
+            if ref.startswith("#/$defs/"):
+                return walk(defs[ref.removeprefix("#/$defs/")])
+            return {k: walk(v) for k, v in node.items()}
+        return [walk(v) for v in node] if isinstance(node, list) else node
+
+    return walk(schema)
+
+
+class BoxesDigestOut(BaseModel):
+    boxes: int
+    size: int
+    etag: str
+    sha256: str
+    cached: bool = Field(description="false when this request computed it")

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import logging
 import os
 import re
@@ -29,7 +28,7 @@ from typing import Any
 import anyio.to_thread
 
 from reshard.errors import CheckpointError, HeaderError, NotFoundError
-from reshard.format.checkpoint import INDEX_NAME, read_header
+from reshard.format.checkpoint import INDEX_NAME, JSON_MAX_BYTES, parse_json, read_header
 from reshard.io.outfs import check_space, fsync_dir, output_errors
 from reshard.io.owners import TAG, owner_gone, owner_tag
 from reshard.service.catalog import Catalog, allowed_upload, valid_name
@@ -90,10 +89,7 @@ def _validate(path: Path, filename: str) -> dict[str, Any]:
         except HeaderError as e:  # name the upload, not the temp file
             raise HeaderError(str(e).replace(str(path), f"{path.parent.name}/{filename} (upload)")) from None
         return {"tensors": len(tensors), "header_bytes": info.header_len}
-    try:
-        obj = json.loads(path.read_bytes().decode("utf-8"))
-    except (ValueError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{filename}: not valid JSON: {e}") from None
+    obj = parse_json(path.read_bytes(), filename)
     if not isinstance(obj, dict):
         raise CheckpointError(f"{filename}: must be a JSON object, got {type(obj).__name__}")
     if filename == INDEX_NAME:
@@ -125,6 +121,8 @@ async def _receive(
     content_length: int | None, max_bytes: int,
 ) -> dict[str, Any]:
     allowed_upload(filename)
+    if not filename.endswith(".safetensors"):  # a JSON file is parsed whole: its own, smaller limit
+        max_bytes = min(max_bytes, JSON_MAX_BYTES)
     if content_length is not None and content_length > max_bytes:
         raise PayloadTooLarge(f"{filename}: {content_length} bytes exceeds the {max_bytes}-byte upload limit")
     local = isinstance(catalog.root, Path)  # a root in a store refuses uploads in `directory`

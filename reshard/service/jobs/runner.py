@@ -1,7 +1,9 @@
 """Background write jobs: rank files of a checkpoint into OUT/NAME/tp-N, their state shared by every worker.
 
-A job is planned when it is submitted (so bad input is a 4xx answer, not a failed job), then written
-by a small thread pool of the worker process that accepted it, with the same `write_shards` as
+A job is checked when it is submitted (its layout and ranks, one rank planned, its planning cost: bad
+input is a 4xx answer, not a failed job; a worker takes at most `max_jobs_pending`, 429 beyond), planned
+when it starts (queued jobs hold no plan; `bytes_total` is 0 until then), then written by a small thread
+pool of the worker process that accepted it, with the same `write_shards` as
 `reshard write` (`reshard.io.sinks.write`): each file atomic, then `reshard.json`, the files recorded
 as verified. Its state lives in the SQLite database every
 worker opens (`reshard.service.jobs.state`), so any worker answers `GET /v1/jobs/{id}`; it is claimed (queued ->
@@ -49,7 +51,7 @@ from reshard.io.sinks.write import write_shards
 from reshard.layout.mesh import Layout
 from reshard.plan.types import Plan
 from reshard.service.catalog import Catalog, ServedCheckpoint
-from reshard.service.http_errors import ServerPaths
+from reshard.service.http_errors import ServerPaths, TooBusy
 from reshard.service.jobs.digests import DigestCache
 from reshard.service.jobs.state import StateDB
 from reshard.service.process.leftovers import clean_after, remove_made, sweep_out
@@ -115,7 +117,7 @@ class JobManager:
                  state: StateDB | None = None) -> None:
         self.out, self.state_dir = settings.out_dir, settings.jobs_dir
         self.catalog, self.digests = catalog, digests
-        self.max_kept = settings.max_jobs_kept
+        self.max_kept, self.max_pending = settings.max_jobs_kept, settings.max_jobs_pending
         self._paths = ServerPaths.of(settings)  # job errors are served: they name no server path
         self.state = state if state is not None else StateDB(settings.jobs_dir)
         self._owner = this_process()
@@ -132,17 +134,29 @@ class JobManager:
         self._recover(sweep=True)
 
     def submit(self, name: str, layout: Layout, *, ranks: list[int] | None = None, rules: str | None = None) -> Job:
+        """Check the job (its source, its layout and ranks, its planning cost: `Catalog.check_work`; one
+        rank planned, so a bad rule is a 4xx answer) and queue it; its plan is made when it starts, so
+        queued jobs hold no plan, and this worker holds at most `max_jobs_pending` of them (429 beyond)."""
+        with self._lock:
+            pending = sum(not f.done() for f in self._futures.values())
+        if pending >= self.max_pending:
+            raise TooBusy(f"this worker has {pending} write jobs queued or running, as many as it takes "
+                          f"(RESHARD_MAX_JOBS_PENDING={self.max_pending}); submit again when one has finished")
         src = self.catalog.source(name, rules=rules)
-        plan = self.catalog.plan(src, layout, ranks=sorted(set(ranks)) if ranks is not None else None)
+        chosen = sorted(set(ranks)) if ranks is not None else list(range(layout.world))
+        self.catalog.check_work(src, layout, len(chosen), what="a write job")
+        probe = self.catalog.plan(src, layout, ranks=chosen[:1])  # every rank's layout checked, one planned
+        for r in chosen[1:]:
+            layout.check_rank(r)
         out_dir = self.out / name / layout.dir_name()
-        job = Job(uuid.uuid4().hex, name, layout.tp, [rp.rank for rp in plan.ranks], rules, plan.digest, out_dir,
-                  sum(rp.size for rp in plan.ranks), layout=None if layout.tp_only else layout.sizes())
+        job = Job(uuid.uuid4().hex, name, layout.tp, chosen, rules, probe.digest, out_dir, 0,
+                  layout=None if layout.tp_only else layout.sizes())
         self.state.put_job(job.to_json(), owner=self._owner)  # a state database that fails: 503 / 507
         with contextlib.suppress(StateUnavailableError):
             self.state.forget_old_jobs(self.max_kept)
         with self._lock:
             self._mine[job.id] = job
-            self._futures[job.id] = self._pool.submit(self._run, job, src, plan)
+            self._futures[job.id] = self._pool.submit(self._run, job, src, layout)
         return job
 
     def get(self, job_id: str) -> Job:
@@ -276,7 +290,7 @@ class JobManager:
 
     # --- running -------------------------------------------------------------------------------
 
-    def _run(self, job: Job, src: ServedCheckpoint, plan: Plan) -> None:
+    def _run(self, job: Job, src: ServedCheckpoint, layout: Layout) -> None:
         try:
             with self._dir_lock(job.output_dir):
                 if self._stopping.is_set():
@@ -294,6 +308,8 @@ class JobManager:
                     log.warning("job %s was no longer queued; not run again", job.id)
                     return
                 try:
+                    plan = self.catalog.plan(src, layout, ranks=job.ranks)  # planned as it starts: queued jobs hold none
+                    job.bytes_total = sum(rp.size for rp in plan.ranks)
                     self._make_dirs(job)
                     self._save(job)
                     self._write(job, src, plan)

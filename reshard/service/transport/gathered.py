@@ -10,7 +10,9 @@ whole or a range, by any worker, sends them from that file with `sendfile`.
 
 - A copy holds the pieces in order from byte `LEAD` on, then an index (piece number, offset) and its
   length, checked against the stream's pieces whenever the copy is opened: one file, renamed into
-  place whole, that needs no planning to use.
+  place whole, that needs no planning to use. It ends with the sha256 of its bytes
+  (`reshard.io.sealed`), checked once per version of the file per process: a copy changed in place
+  or replaced by a symlink is deleted and written again by the next whole pull, never sent.
 - Key: the shard's ETag (the plan digest, which covers the sources' size and mtime, the manifest and
   tp; and the rank), so a changed source never meets an old copy. The stream still checks its
   sources after every range, as for any pull.
@@ -49,6 +51,7 @@ from pathlib import Path
 from reshard.io.outfs import delete_oldest
 from reshard.io.owners import TAG, owner_gone, owner_tag
 from reshard.io.rank_stream import RankStream
+from reshard.io.sealed import TRAILER, open_sealed, seal_fd, touch_used
 from reshard.io.sinks.outfile import pwrite_all
 
 log = logging.getLogger("reshard.service")
@@ -93,24 +96,22 @@ class GatherCache:
         the stream); else None."""
         name = etag.strip('"')
         path = self.dir / f"{name}.bin"
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except OSError:
-            fd = -1
+        existed = os.path.lexists(path)
+        sealed = open_sealed(path)  # a copy changed in place, or a symlink: deleted, and this pull replaces it
+        fd = sealed if sealed is not None else -1
         if fd >= 0:
             try:
                 copies = _read_index(fd, stream)
             except (OSError, ValueError, IndexError, struct.error):  # struct.error: shorter than an index
                 copies = None
             if copies is not None:
-                with contextlib.suppress(OSError):
-                    os.utime(path)  # most recently used
+                touch_used(fd)  # most recently used: its atime (the mtime dates its bytes)
                 return Copy(fd, copies)
             os.close(fd)  # damaged, or not a copy this code wrote: this pull replaces it
         if not whole or (self.dir / f"{name}.none").exists():
             return None
         marker = self.dir / f"{name}.seen"
-        if fd < 0 and not marker.exists():
+        if not existed and not marker.exists():
             with contextlib.suppress(OSError):
                 marker.touch()
             return None
@@ -142,7 +143,7 @@ class GatherCache:
                 with contextlib.suppress(OSError):
                     st = entry.stat()
                     if entry.name.endswith(".bin"):
-                        copies.append((st.st_mtime, st.st_size, entry.path))
+                        copies.append((st.st_atime, st.st_size, entry.path))
                     elif m := _TMP.match(entry.name):
                         if owner_gone(Path(entry.path), m.group(2), ownerless_age=STALE):
                             os.unlink(entry.path)
@@ -186,7 +187,7 @@ class Copier:
         self.claim = _claim(cache.dir / f"{name}.seen")  # one writer per shard at a time, in any worker
         self.tmp = cache.dir / f"{name}.{owner_tag()}.tmp"
         try:
-            self.fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            self.fd = os.open(self.tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
         except OSError:
             os.close(self.claim)
             raise
@@ -226,7 +227,9 @@ class Copier:
                 self._next += 1
             if self._pieces and self.written == self.total:
                 index = array("q", [x for i, _, _, at in self._pieces for x in (i, at)])
-                pwrite_all(self.fd, index.tobytes() + struct.pack("<q", len(self._pieces)), LEAD + self.total)
+                tail = index.tobytes() + struct.pack("<q", len(self._pieces))
+                pwrite_all(self.fd, tail, LEAD + self.total)
+                seal_fd(self.fd, LEAD + self.total + len(tail))
                 fd, self.fd = self.fd, -1
                 os.close(fd)
                 os.rename(self.tmp, self.cache.dir / f"{self.name}.bin")
@@ -268,7 +271,7 @@ def _read_index(fd: int, stream: RankStream) -> dict[int, int]:
     """The copy's index (piece number -> offset in the copy), from its last bytes: the pieces, then
     (number, offset) pairs as int64, then their count; checked against the file's size and the
     stream's pieces (each piece's bytes end where the next one's begin)."""
-    size = os.fstat(fd).st_size
+    size = os.fstat(fd).st_size - TRAILER  # its data, before the seal
     (count,) = struct.unpack("<q", os.pread(fd, 8, size - 8))
     if not 0 < count <= (size - LEAD) // 24:
         raise ValueError("not a copy")

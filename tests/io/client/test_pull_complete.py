@@ -40,8 +40,9 @@ def _everything(directory: Path) -> list[str]:
 
 def _verified(r: Any, dest: Path, want: bytes, inode: int) -> None:
     assert r.returncode == 0, (r.returncode, r.stderr)
-    lines = r.stderr.splitlines()
-    assert len(lines) == 1 and "already in place" in lines[0] and "verified, nothing downloaded" in lines[0], r.stderr
+    lines = r.stdout.splitlines()  # the result on stdout, nothing on stderr
+    assert len(lines) == 1 and "already in place" in lines[0] and "verified, nothing downloaded" in lines[0], r.stdout
+    assert r.stderr == "", r.stderr
     assert dest.stat().st_ino == inode and dest.read_bytes() == want  # the same file, untouched
 
 
@@ -74,7 +75,7 @@ def test_a_file_that_is_not_the_shard_is_replaced(fs: Mount, source_server: Live
     wrong[len(want) // 2] ^= 0xFF  # same size, one byte off
     dest.write_bytes(wrong)
     r = _pull(source_server, dest)
-    assert r.returncode == 0 and r.stderr.startswith("pulled rank 1 of tp=2"), r.stderr
+    assert r.returncode == 0 and r.stdout.startswith("pulled rank 1 of tp=2"), r.stderr
     assert dest.read_bytes() == want
     assert _everything(fs.path) == [RANK1]
 

@@ -162,6 +162,6 @@ def test_pull_stopped_mid_download_keeps_its_partial_file_and_resumes(slow_servi
     assert part.read_bytes() == want.read_bytes()[:kept]  # what it kept is the shard's beginning
     again = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert again.returncode == 0, again.stderr
-    assert "resumed at" in again.stderr, again.stderr
+    assert "resumed at" in again.stdout, again.stdout  # the result on stdout
     assert dest.read_bytes() == want.read_bytes()
     assert sorted(p.name for p in dest.parent.iterdir()) == [RANK0]  # no .part, no .part.json

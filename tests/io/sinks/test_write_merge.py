@@ -217,9 +217,10 @@ def test_out_is_a_file_or_under_one(tmp_path: Path, ckpt: Path, reference: dict[
 
 def test_refused_write_changes_nothing(fs: Mount, ckpt: Path) -> None:
     """Refused before the first byte: the directory, with an earlier run's reshard.json, stays as it was."""
-    out = fs.path / "out"
-    assert reshard("write", ckpt, "--tp", 1, "-o", out, "--no-progress").returncode == 0
+    out = fs.path / "out"  # an earlier run of the same layout wrote rank 0 (another layout is refused before space)
+    assert reshard("write", ckpt, "--tp", TP, "--ranks", 0, "-o", out, "--no-progress").returncode == 0
     before = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert "reshard.json" in before
     fs.fill(leave=1 << 20)
     assert_clean(reshard("write", ckpt, "--tp", TP, "-o", out, "--no-progress"), "needs")
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before

@@ -19,6 +19,7 @@ import httpx
 import pytest
 
 from reshard.cli import main
+from reshard.io.sealed import TRAILER
 from tests.support.hard import Created, ThrottledProxy, metric, wait_for, workers
 from tests.support.live import LiveServer, live_server
 
@@ -61,7 +62,8 @@ def _pull_all(srv: LiveServer, name: str, pulls: list[tuple[int, int]]) -> dict[
 
 
 def _blocks(cache: Path) -> dict[str, int]:
-    return {str(p.relative_to(cache)): p.stat().st_size for p in cache.glob("*/*") if p.name.isdigit()}
+    """Block -> the object bytes it holds (its file, less the seal: `reshard.io.sealed`)."""
+    return {str(p.relative_to(cache)): p.stat().st_size - TRAILER for p in cache.glob("*/*") if p.name.isdigit()}
 
 
 def test_every_block_is_fetched_once_for_all_ranks_and_layouts(store: tuple[str, Any, str], local_root: Path,

@@ -77,9 +77,12 @@ def test_every_rank_holds_its_blocks(ckpts: Path, shards: Any, case: str) -> Non
             assert set(local) == set(full)
 
 
-@pytest.mark.parametrize(("intermediate", "tp", "works"), [(1536, 8, "{1,2,3,4,6,12}"), (320, 2, "{1}")])
+# works: the tp values that cut this down_proj on block edges; plans: those that also split the model's 2
+# attention heads (the error names the tp values that plan the whole checkpoint)
+@pytest.mark.parametrize(("intermediate", "tp", "works", "plans"), [(1536, 8, "{1,2,3,4,6,12}", "1, 2"),
+                                                                   (320, 2, "{1}", "1")])
 def test_boundary_inside_a_block_is_an_error_and_nothing_is_written(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], intermediate: int, tp: int, works: str
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], intermediate: int, tp: int, works: str, plans: str
 ) -> None:
     cfg = llama_config(hidden_size=256, num_attention_heads=2, head_dim=128, num_key_value_heads=2,
                        intermediate_size=intermediate, num_hidden_layers=1)
@@ -89,7 +92,8 @@ def test_boundary_inside_a_block_is_an_error_and_nothing_is_written(
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1
     assert err.startswith("reshard: error: model.layers.0.mlp.down_proj.weight: ")
-    for part in (f"dim 1 has size {intermediate}", f"tp={tp}", "scale block of 128", f"pick tp in {works}"):
+    for part in (f"dim 1 has size {intermediate}", f"tp={tp}", "scale block of 128",
+                 f"pick a tp that plans this checkpoint: {plans} (rule"):
         assert part in err, (part, err)
     assert not out.exists()
     # exactly the tps it lists split this row weight (dim 1 cut every size/tp) on block edges

@@ -4,6 +4,8 @@ selection torch.chunk gives the logical weight."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 
@@ -36,6 +38,20 @@ def _toy(qc: dict) -> Scheme:
 
 G = 4
 OPTS = {"group_size": G}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _unregister_toy() -> Iterator[None]:
+    """The toy format is this module's: its kinds, scheme and quant_method leave with it (the suite's
+    other tests see the shipped registry)."""
+    yield
+    from reshard.rules import kinds as loaders
+    from reshard.rules.quant import scheme
+
+    for kind in [k for k in loaders._REGISTRY if TOY.base_of(k) is not None]:
+        del loaders._REGISTRY[kind]
+    scheme._SCHEMES.pop(TOY.name, None)
+    scheme._METHODS.pop("toy4", None)
 
 
 def sel(name: str, shape: tuple[int, ...], kind: str, tp: int, rank: int, **options: object) -> Selection:

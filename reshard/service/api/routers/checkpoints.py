@@ -88,6 +88,7 @@ async def get_plan(name: Name, layout: LayoutDep, catalog: CatalogDep, rules: Ru
             f"the plan of {name!r} at {at} would list {world} x {count} = {world * count} tensors, over the "
             f"{MAX_LISTED} one answer lists; ask with tensors=false (each rank's totals), for a smaller tp, "
             "or for one rank (HEAD .../shards/RANK?tp=N)")
+    catalog.check_work(src, layout, world, what="the plan")
     plan, planner = await off_loop(catalog.planner, src, layout)
     per = max(1, _BATCH // max(1, count if tensors else 16))
     return StreamingResponse(_plan_json(plan, planner, tensors=tensors, per=per), media_type="application/json")

@@ -10,12 +10,14 @@ serves a training checkpoint's optimizer state (its `optimizer/` rank files) the
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Annotated, Any
 
 import anyio.to_thread
 from fastapi import APIRouter, Header, Path, Request, Response
 
 from reshard.format.rank_file import rank_file_name
+from reshard.plan.types import RankPlan
 from reshard.service.api.deps import (
     CatalogDep,
     DigestsDep,
@@ -30,8 +32,9 @@ from reshard.service.api.deps import (
 from reshard.service.api.schemas import DigestOut
 from reshard.service.catalog import part_name
 from reshard.service.http_errors import error_responses
+from reshard.service.jobs.digests import DigestCache
 from reshard.service.transport.ranges import etag_matches, list_header, parse_range, shard_etag, single_header
-from reshard.service.transport.streaming import SHA_HEADER, ShardResponse
+from reshard.service.transport.streaming import SHA_HEADER, ShardResponse, StreamContext
 
 router = APIRouter(prefix="/v1/checkpoints", tags=["shards"])
 
@@ -57,18 +60,41 @@ def get_shard(
     if_range: Annotated[str | None, Header()] = None,
     if_none_match: Annotated[str | None, Header()] = None,
 ) -> Response:
-    # the header parameters document the route; the values come from every line the client sent
-    range_ = single_header(request.headers, "range")
-    if_range = single_header(request.headers, "if-range")
-    if_none_match = list_header(request.headers, "if-none-match")
+    asked = Conditions.of(request)
     src = catalog.source(part_name(name, part), rules=rules, engine=engine)
     digest, rp = catalog.rank_plan(src, layout, rank)
-    etag = shard_etag(digest, rank)
+    return planned_answer(asked, rp, etag=shard_etag(digest, rank), plan_digest=digest, digests=digests, ctx=ctx,
+                          filename=rank_file_name(rank, layout.world))
+
+
+@dataclass(frozen=True)
+class Conditions:
+    """What a request asks of a streamed answer: `Range`, `If-Range`, `If-None-Match` (None: not sent)."""
+
+    method: str
+    range_: str | None
+    if_range: str | None
+    if_none_match: str | None
+
+    @classmethod
+    def of(cls, request: Request, *, conditional: bool = True) -> Conditions:
+        """From every header line the client sent (two lines of `Range` or `If-Range`: 400); `If-None-Match`
+        only where `conditional`."""
+        return cls(request.method, single_header(request.headers, "range"), single_header(request.headers, "if-range"),
+                   list_header(request.headers, "if-none-match") if conditional else None)
+
+
+def planned_answer(asked: Conditions, rp: RankPlan, *, etag: str, plan_digest: str, digests: DigestCache,
+                   ctx: StreamContext, filename: str) -> Response:
+    """The answer that streams `rp`'s file (a rank's shard, or the boxes of `reshard.service.api.routers.boxes`):
+    `Content-Length`, `ETag`, one `Range` (with `If-Range`) answered 206, `If-None-Match` 304, the sha256
+    header once it is known; a whole body read fills the digest cache."""
+    range_, if_range, if_none_match, head = asked.range_, asked.if_range, asked.if_none_match, asked.method == "HEAD"
     headers = {
         "ETag": etag,
         "Accept-Ranges": "bytes",
-        "Content-Disposition": f'attachment; filename="{rank_file_name(rank, layout.world)}"',
-        "X-Reshard-Plan": digest,
+        "Content-Disposition": f'attachment; filename="{filename}"',
+        "X-Reshard-Plan": plan_digest,
     }
     sha = digests.get(etag)
     if sha is not None:
@@ -80,11 +106,10 @@ def get_shard(
         span = parse_range(range_, rp.size)
     if span is None:
         fill = (lambda sha256: digests.put(etag, sha256)) if sha is None else None
-        return ShardResponse(rp, ctx=ctx, headers=headers, head=request.method == "HEAD", on_digest=fill)
+        return ShardResponse(rp, ctx=ctx, headers=headers, head=head, on_digest=fill)
     start, end = span
     headers["Content-Range"] = f"bytes {start}-{end - 1}/{rp.size}"
-    return ShardResponse(rp, ctx=ctx, start=start, end=end, status_code=206, headers=headers,
-                         head=request.method == "HEAD")
+    return ShardResponse(rp, ctx=ctx, start=start, end=end, status_code=206, headers=headers, head=head)
 
 
 _SHARD_RESPONSES: dict[int | str, dict[str, Any]] = {
