@@ -277,6 +277,12 @@ def _template(name: str, arch: _Arch) -> _Template:
     numbers = [int(m) for m in _NUM.findall(name)]
     marked = _NUM.sub(lambda m, it=iter(range(len(numbers))): str(_SENTINEL + next(it)), name)
     conv = arch.convert(marked)
+    logical = logical_name(marked)
+    if logical is not None and not conv.per_expert:
+        # a tensor of a per-expert packed quantized module (GPTQ's `experts.3.gate_proj.qweight`) is
+        # converted as its logical weight (`experts.3.gate_proj.weight`), which the conversion mapping names
+        as_logical = arch.convert(logical)
+        conv = as_logical if as_logical.per_expert else conv
     found = {int(m) - _SENTINEL: j for j, m in enumerate(_NUM.findall(conv.name)) if int(m) >= _SENTINEL}
     dropped = [i for i in range(len(numbers)) if i not in found]
     expert_at = dropped[-1] if conv.per_expert and dropped else None

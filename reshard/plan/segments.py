@@ -128,7 +128,7 @@ def layout(
     items: list[OutTensor], meta: dict[str, str], files: dict[str, tuple[int, int | str]], *, rank: int = 0,
     world: int = 1,
 ) -> RankPlan:
-    """Order tensors (largest item size first, then name, as safetensors does) and build the header."""
+    """Order tensors (by dtype, then name, as safetensors does: `data_order`) and build the header."""
     items.sort(key=lambda t: data_order(t.name, t.dtype))
     placed, pos = [], 0
     for t in items:

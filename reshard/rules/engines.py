@@ -27,6 +27,7 @@ from reshard.errors import RegistryError
 from reshard.registry import registrar
 from reshard.rules.manifest import Manifest, Rule
 from reshard.rules.quant import VLLM_RULES
+from reshard.rules.quant.fp8_kinds import base_kind
 
 Cut = Callable[[Manifest, Sequence[str]], Manifest]
 _ENGINES: dict[str, Cut] = {}
@@ -56,7 +57,9 @@ def apply_engine(manifest: Manifest, engine: str | None, names: Sequence[str] = 
 
 
 def is_vocab_split(kind: str, options: dict[str, Any]) -> bool:
-    """A kind that splits a vocabulary: `vocab_embed`, or a padded `column` (an lm_head)."""
+    """A kind that splits a vocabulary: `vocab_embed`, or a padded `column` (an lm_head); quantized or not
+    (`column_gptq`, a GPTQ checkpoint's quantized lm_head, is a `column`)."""
+    kind = base_kind(kind)
     return kind in VOCAB_KINDS or (kind == "column" and options.get("pad") is True and "heads" not in options)
 
 

@@ -26,6 +26,22 @@ SMALL = {"vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 2, "num_atte
          "num_key_value_heads": 2, "head_dim": 16}
 
 
+class Holder(torch.nn.Module):
+    """A consumer holding packed tensors as stored, under their checkpoint names (vLLM-like parameters): one
+    parameter of each given shape and dtype, filled with 7s until a fill replaces them."""
+
+    def __init__(self, tensors: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> None:
+        super().__init__()
+        for name, (shape, dtype) in tensors.items():
+            *path, leaf = name.split(".")
+            mod: torch.nn.Module = self
+            for part in path:
+                if not hasattr(mod, part):
+                    mod.add_module(part, torch.nn.Module())
+                mod = getattr(mod, part)
+            mod.register_parameter(leaf, torch.nn.Parameter(torch.full(shape, 7).to(dtype), requires_grad=False))
+
+
 def served_bytes(server_url: str) -> float:
     """The service's count of shard body bytes sent, from its Prometheus /metrics."""
     text = httpx.get(f"{server_url}/metrics", timeout=10).text

@@ -3,7 +3,8 @@
 Each case builds vLLM's own model in this process and runs the plugin's loader on it as vLLM's worker does
 (tests/support/vllm_models.py; no engine start): a parameter no shard tensor fills, a shard tensor that
 does not fit its place in vLLM's parameter (rules stored on the service that replicate the vocabulary),
-two shard tensors for one place, pipeline parallelism, a quantized model, a token the service wants and
+two shard tensors for one place, pipeline parallelism, a quantized model in a format reshard does not cut
+(int4 models and their refusals: test_int4.py), a token the service wants and
 did not get. Rank files cut transformers' way, shards of another tp, FP8 shards and the loader's options
 are refused before vLLM's model is touched, and are checked without vLLM (tests/rules/test_engines.py).
 """
@@ -86,8 +87,9 @@ def test_pipeline_parallelism_is_refused(vwritten: Callable[..., Path], meta_dir
 def test_a_quantized_model_is_refused(vwritten: Callable[..., Path], meta_dir: Callable[[str], Path],
                                       tmp_path: Path) -> None:
     model_dir = quantized_model_dir(meta_dir("llama"), tmp_path / "w8a8")
-    with pytest.raises(ReshardError, match=r"load_format='reshard' loads unquantized checkpoints only; this one is "
-                                           r"'compressed-tensors': use load_format='auto'"):
+    with pytest.raises(ReshardError, match=r"load_format='reshard' loads unquantized checkpoints and the packed "
+                                           r"formats gptq, awq, pack-quantized; this one is "
+                                           r"'compressed-tensors' \(.*8-bit int weights.*\): use load_format='auto'"):
         loaded_by_reshard(model_dir, shards=str(vwritten("llama", 1)))
 
 

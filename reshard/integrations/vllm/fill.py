@@ -16,12 +16,17 @@ that every parameter is filled whole, with nothing copied; only then are the ten
 time, each already known to fit (a tensor vLLM does not ask for is read past, never allocated). The
 bytes are hashed as they arrive and checked against the sha256 of `reshard.json` beside rank files or
 the service's digest for its answer (`iter_tensors`) before the last tensor is handed to vLLM.
+
+A quantized model in a packed format reshard cuts (GPTQ, AWQ, compressed-tensors int4: `packed_format`)
+is filled the same way: its packed parameters take the shard's packed tensors as stored (places.py), the
+shard must hold that format's tensors and no other, and the attention's KV-cache scales vLLM adds to a
+quantized model may stay as vLLM made them when the checkpoint has none (as its default loader leaves them).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,12 +34,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from reshard.errors import CheckpointError, PlanError
+from reshard.errors import CheckpointError, ManifestError, PlanError, ReshardError
 from reshard.fill.into_params import RankHeader, iter_tensors, read_header_from
 from reshard.fill.open import open_rank_stream
 from reshard.format.torch_side import TORCH_DTYPES
 from reshard.integrations.vllm.places import place_for
 from reshard.rules.engines import VLLM_VOCAB_ALIGN, is_vocab_split
+from reshard.rules.quant.scheme import QuantScheme, scheme_from_config, scheme_of_kind
 
 _LIST = 6  # names shown per list in an error
 _FP8 = frozenset({"F8_E4M3", "F8_E5M2", "F8_E8M0"})
@@ -77,15 +83,17 @@ class _Ledger:
             raise PlanError(f"{self.current}: {name} (block {region!r}) was filled twice; the shard has two tensors "
                             "for one place in vLLM's model")
         seen.add(region)
-        self.written[id(param)] = self.written.get(id(param), 0) + numel
+        whole = isinstance(region, tuple) and region[:1] == ("whole",)  # each block fills all of it (places.py)
+        self.written[id(param)] = numel if whole else self.written.get(id(param), 0) + numel
         self.used.add(self.current)
 
-    def unfilled(self) -> list[str]:
+    def unfilled(self, optional: Collection[int] = ()) -> list[str]:
+        """The parameters not filled whole; those in `optional` may also be left as vLLM made them."""
         out = []
         for pid, (name, p) in self.params.items():
             want = int(getattr(p, "weight_loader_numel", p.numel()))
             got = self.written.get(pid, 0)
-            if got != want:
+            if got != want and not (got == 0 and pid in optional):
                 out.append(f"{name} ({got} of {want} elements)")
         return out
 
@@ -98,13 +106,19 @@ def _named_params(model: nn.Module) -> dict[int, tuple[str, nn.Parameter]]:
     return out
 
 
+def _loader_key(p: nn.Parameter) -> str:
+    """Where a parameter keeps its weight_loader: vLLM's quantized parameters (`BasevLLMParameter`) behind a
+    property, in `_weight_loader`; the others as a plain attribute."""
+    return "_weight_loader" if "_weight_loader" in p.__dict__ else "weight_loader"
+
+
 def _install(params: dict[int, tuple[str, nn.Parameter]], ledger: _Ledger) -> dict[int, Any]:
     """Swap every parameter's weight_loader for a pre-sharded one; the originals, to put back."""
     originals: dict[int, Any] = {}
     for pid, (name, p) in params.items():
-        # vLLM's own parameter classes hold it behind a property (set and read back through it), others in __dict__
-        originals[pid] = getattr(p, "weight_loader", _ABSENT)
-        p.weight_loader = PreSharded(name, p, None if originals[pid] is _ABSENT else originals[pid], ledger)
+        key = _loader_key(p)
+        originals[pid] = key, p.__dict__.get(key, _ABSENT)
+        p.__dict__[key] = PreSharded(name, p, getattr(p, "weight_loader", None), ledger)
     return originals
 
 
@@ -113,11 +127,20 @@ _ABSENT = object()
 
 def _restore(params: dict[int, tuple[str, nn.Parameter]], originals: dict[int, Any]) -> None:
     for pid, (_name, p) in params.items():
-        old = originals.get(pid, _ABSENT)
+        key, old = originals[pid]
         if old is _ABSENT:
-            p.__dict__.pop("weight_loader", None)
+            p.__dict__.pop(key, None)
         else:
-            p.weight_loader = old
+            p.__dict__[key] = old
+
+
+def _optional(model: nn.Module) -> set[int]:
+    """Parameters a checkpoint may leave out: the KV-cache and attention quantization scales a quantized
+    layer's attention gets (vLLM keeps its own values when the checkpoint has none)."""
+    from vllm.model_executor.layers.quantization.kv_cache import BaseKVCacheMethod
+
+    return {id(p) for m in model.modules() if isinstance(getattr(m, "quant_method", None), BaseKVCacheMethod)
+            for p in m.parameters(recurse=False)}
 
 
 class PreSharded:
@@ -154,6 +177,43 @@ class PreSharded:
         return True if success else None
 
 
+# the packed formats whose vLLM parameters the places fill (checked against vLLM's loaders: tests/vllm/test_int4.py)
+VLLM_PACKED = ("gptq", "awq", "pack-quantized")
+
+
+def packed_format(quantization: str | None, quantization_config: Any) -> QuantScheme | None:
+    """The packed format (`QuantScheme` with parts: GPTQ, AWQ, compressed-tensors int4, ...) of a checkpoint
+    vLLM calls `quantization`, from its config.json `quantization_config`; None for an unquantized one. A
+    quantization reshard does not cut into vLLM's packed parameters (FP8, int8, an unknown method) is one
+    error naming it."""
+    if quantization is None:
+        return None
+    qc = quantization_config.to_dict() if hasattr(quantization_config, "to_dict") else quantization_config
+    why = ""
+    try:
+        scheme = scheme_from_config({"quantization_config": qc}) if isinstance(qc, dict) else None
+    except ManifestError as e:
+        scheme, why = None, f" ({e})"
+    if scheme is None or scheme.packed.name not in VLLM_PACKED:
+        why = why or ("" if scheme is None else f" ({scheme.packed.description or scheme.packed.name})")
+        raise ReshardError(f"load_format='reshard' loads unquantized checkpoints and the packed formats "
+                           f"{', '.join(VLLM_PACKED)}; this one is {quantization!r}{why}: use load_format='auto'")
+    return scheme.packed
+
+
+def _check_packed(header: RankHeader, packed: QuantScheme | None, name: str) -> None:
+    """The shard holds the packed format vLLM's model was built for, and no other."""
+    held = {q.name: q for d in header.tensors.values() if (q := scheme_of_kind(str(d.get("kind")))) is not None}
+    if packed is not None and packed.name not in held:
+        raise CheckpointError(f"{name}: vLLM's model holds {packed.description}, but the shard has none of its "
+                              "tensors: it was written from another checkpoint; nothing was loaded")
+    other = sorted(set(held) - {packed.name if packed else ""})
+    if other:
+        raise CheckpointError(f"{name}: the shard holds {held[other[0]].description}, which vLLM's model was not "
+                              "built for: give vLLM the checkpoint's config.json with its quantization_config "
+                              "(reshard pull URL --meta); nothing was loaded")
+
+
 def _check_header(header: RankHeader, rank: int, tp: int, name: str) -> None:
     if not header.layout.tp_only:
         raise CheckpointError(f"{name}: is a shard of {header.layout.describe()}; vLLM workers load tensor-parallel "
@@ -182,22 +242,24 @@ def _vocab_unaligned(desc: dict[str, Any]) -> bool:
 
 
 def fill_vllm_model(model: nn.Module, source: str | Path, *, rank: int, tp: int, token: str | None = None,
-                    rules: str | None = None) -> VllmFillReport:
+                    rules: str | None = None, packed: QuantScheme | None = None) -> VllmFillReport:
     """Fill `model` (built by vLLM, not yet loaded) with rank `rank` of `tp`'s shard of `source`: the
     service's checkpoint URL (asked for `engine=vllm`) or a directory of rank files `reshard write
-    --engine vllm` wrote. See the module docstring."""
+    --engine vllm` wrote. `packed`: the packed format vLLM's model holds (`packed_format`), None for an
+    unquantized model. See the module docstring."""
     t0 = time.perf_counter()
     _config, chunks, sha, name = open_rank_stream(source, rank, tp, token=token, need_config=False,
                                                   rules=rules, engine="vllm")
     header, leftover = read_header_from(chunks, name)
     _check_header(header, rank, tp, name)
+    _check_packed(header, packed, name)
     params = _named_params(model)
     asked = _rehearse(model, params, header, name)
     ledger = _Ledger(params)
     seen: list[str] = []
     _load(model, params, ledger, _tracked(iter_tensors(header, chunks, sha256=sha, leftover=leftover, only=asked),
                                           ledger, seen))
-    _check_filled(ledger, name)
+    _check_filled(ledger, model, name)
     report = VllmFillReport(name, rank, tp, len(seen), len(params), header.total, time.perf_counter() - t0,
                             skipped=[n for n in header.entries if n not in asked])
     model.reshard_fill_report = report  # for whoever asks the worker (collective_rpc), as vLLM keeps the model
@@ -211,7 +273,7 @@ def _rehearse(model: nn.Module, params: dict[int, tuple[str, nn.Parameter]], hea
     order = sorted(header.entries.items(), key=lambda kv: kv[1]["data_offsets"][0])
     declared = ((n, torch.empty(e["shape"], dtype=TORCH_DTYPES[e["dtype"]], device="meta")) for n, e in order)
     _load(model, params, ledger, _tracked(declared, ledger, []))
-    _check_filled(ledger, name, "; nothing was loaded")
+    _check_filled(ledger, model, name, "; nothing was loaded")
     return ledger.used
 
 
@@ -225,8 +287,8 @@ def _load(model: nn.Module, params: dict[int, tuple[str, nn.Parameter]], ledger:
         _restore(params, originals)
 
 
-def _check_filled(ledger: _Ledger, name: str, then: str = "") -> None:
-    unfilled = ledger.unfilled()
+def _check_filled(ledger: _Ledger, model: nn.Module, name: str, then: str = "") -> None:
+    unfilled = ledger.unfilled(_optional(model))
     if unfilled:
         raise PlanError(f"{name}: {len(unfilled)} vLLM parameters were not filled whole by the shard: "
                         f"{', '.join(unfilled[:_LIST])}; the shard and vLLM's model disagree (another checkpoint, "

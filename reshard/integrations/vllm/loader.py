@@ -16,7 +16,7 @@ from vllm.model_executor.model_loader import register_model_loader
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
 from reshard.errors import ReshardError
-from reshard.integrations.vllm.fill import fill_vllm_model
+from reshard.integrations.vllm.fill import fill_vllm_model, packed_format
 from reshard.integrations.vllm.options import loader_options
 
 logger = init_logger("vllm.model_executor.model_loader.reshard")  # under vLLM's handler
@@ -41,13 +41,11 @@ class ReshardModelLoader(BaseModelLoader):
             raise ReshardError("load_format='reshard' does not support pipeline parallelism yet "
                                f"(pipeline_parallel_size={get_pp_group().world_size}): use tensor parallelism only, "
                                "or load_format='auto'")
-        if model_config.quantization is not None:
-            raise ReshardError(f"load_format='reshard' loads unquantized checkpoints only; this one is "
-                               f"{model_config.quantization!r}: use load_format='auto'")
+        packed = packed_format(model_config.quantization, getattr(model_config.hf_config, "quantization_config", None))
         source = self.options.get("url") or self.options["shards"]
         report = fill_vllm_model(model, source, rank=get_tensor_model_parallel_rank(),
                                  tp=get_tensor_model_parallel_world_size(), token=self.options.get("token"),
-                                 rules=self.options.get("rules"))
+                                 rules=self.options.get("rules"), packed=packed)
         logger.info("%s", report)
 
 

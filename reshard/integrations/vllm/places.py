@@ -12,6 +12,12 @@ the owner's class says how the parameter is laid out on this rank, with vLLM's o
 
 With a shard_id of None a fused tensor on disk (Phi-3's `qkv_proj`) fills the whole parameter: reshard's
 packed kinds cut it per block, which is vLLM's layout. Any other loader is refused when it is called.
+
+Quantized linears (GPTQ, AWQ, compressed-tensors int4) hold their tensors in vLLM's `BasevLLMParameter`s:
+a block's offset and size along `output_dim` are in packed units where the parameter is packed along that
+dim (`packed_dim == output_dim`: AWQ's qweight, every format's zero points), as vLLM's own
+`adjust_shard_indexes_for_packing` divides them; a parameter with no `output_dim` (compressed-tensors'
+`weight_shape`) is whole, and each block of a fused layer fills all of it, as vLLM's loader overwrites it.
 """
 
 from __future__ import annotations
@@ -42,27 +48,44 @@ class Place:
         return data, None
 
 
+def _block(param: nn.Parameter, dim: int, start: int, size: int) -> torch.Tensor:
+    """`param`'s block of `size` rows from `start` along `dim` (logical units), in the parameter's own units."""
+    factor = getattr(param, "packed_factor", None)
+    if factor is not None and getattr(param, "packed_dim", None) == dim:
+        start, size = int(start // factor), int(size // factor)
+    return param.data.narrow(dim, start, size)
+
+
+def _whole(param: nn.Parameter, shard_id: Any) -> Dest:
+    """A parameter with no output dim (a quantized layer's `weight_shape`), which every block fills whole."""
+    return param.data, ("whole", shard_id)
+
+
 class QKVPlace(Place):
     def __call__(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any, expert_id: Any) -> Dest:
         dim = getattr(param, "output_dim", None)
-        if shard_id is None or dim is None:
+        if shard_id is None:
             return super().__call__(param, loaded, shard_id, expert_id)
+        if dim is None:
+            return _whole(param, shard_id)
         start = self.owner._get_shard_offset_mapping(shard_id)
         size = self.owner._get_shard_size_mapping(shard_id)
         if start is None or size is None:
             raise PlanError(f"{self.name}: vLLM's QKVParallelLinear has no block {shard_id!r}")
-        return param.data.narrow(dim, start, size), shard_id
+        return _block(param, dim, start, size), shard_id
 
 
 class MergedPlace(Place):
     def __call__(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any, expert_id: Any) -> Dest:
         dim = getattr(param, "output_dim", None)
-        if shard_id is None or dim is None:
+        if shard_id is None:
             return super().__call__(param, loaded, shard_id, expert_id)
         ids = tuple(shard_id) if isinstance(shard_id, (tuple, list)) else (shard_id,)
+        if dim is None:
+            return _whole(param, ids)
         sizes = [s // self.owner.tp_size for s in self.owner.output_sizes]
         start, size = sum(sizes[: ids[0]]), sum(sizes[ids[0] : ids[-1] + 1])
-        return param.data.narrow(dim, start, size), ids
+        return _block(param, dim, start, size), ids
 
 
 class ExpertsPlace(Place):

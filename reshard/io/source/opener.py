@@ -123,6 +123,7 @@ def open_shards(url: str | os.PathLike[str]) -> ShardSet:
 
 def open_pieces(url: str | os.PathLike[str]) -> ShardSet | DcpCheckpoint:
     """A source of tensors saved in pieces at a local path or URL: rank shards, or a DCP checkpoint."""
+    check_scheme(url)
     d = _remote_dir(str(url)) if is_url(url) else LocalDirectory(Path(url))
     if not is_url(url) and not Path(url).is_dir():
         raise CheckpointError(f"{url}: no such directory")

@@ -6,15 +6,16 @@
   its scales take the blocks of its rows and columns.
 - `parts`: the kinds of a format described by its parts: every tensor of a quantized module split where
   the base kind splits the module's logical weight, in its own units (`mxfp4`, `nvfp4`, ...).
-- one module per packed format (`mxfp4`, `nvfp4`): its scheme and its `quant_method`s, registered on import.
+- one module per packed format (`mxfp4`, `nvfp4`, `gptq`, `awq`, `pack_quantized`; `int4` holds what the
+  last three share): its scheme and its `quant_method`s, registered on import.
 - `rules`: the manifest hook: each rule's quantized twin, so a scale follows its weight's rule.
 - `dequant`: the trainer's fill dequantizes FP8 weights into the training dtype, tensor by tensor.
 
 Importing `reshard.rules` imports this package's kinds, so recorded kinds resolve everywhere.
 """
 
+from reshard.rules.quant import awq, gptq, mxfp4, nvfp4, pack_quantized  # noqa: F401  (their schemes and kinds register on import)
 from reshard.rules.quant import fp8_kinds as kinds
-from reshard.rules.quant import mxfp4, nvfp4  # noqa: F401  (their schemes and kinds register on import)
 from reshard.rules.quant.scheme import Scheme, register_quant_method, scheme_from_config
 
 # rules an engine cut adds before the manifest's (`reshard.rules.engines`): how vLLM holds packed tensors

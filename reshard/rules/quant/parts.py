@@ -50,9 +50,12 @@ LOGICAL = {-1: "input (K)", -2: "output (N)", -3: "expert"}
 
 
 def _unit(unit: Unit, options: dict[str, Any], where: str) -> int | None:
-    """An axis' unit, an option's value where it names one."""
+    """An axis' unit, an option's value where it names one (an option set to null: one entry for the
+    whole dim, as a per-channel scale or an act-order GPTQ's scales along K, which every rank keeps)."""
     if isinstance(unit, str):
         value = options.get(unit)
+        if value is None and unit in options:
+            return None
         if type(value) is not int or value <= 0:
             raise PlanError(f"{where}: option {unit}={value!r} must be a positive integer")
         return value
@@ -139,10 +142,12 @@ class PartLoader(SliceLoader):
             # reports any real error
             return full_selection(logical)
 
-    def _works(self, logical: tuple[int, ...], held: set[int], tp: int) -> bool:
+    def _works(self, shape: tuple[int, ...], tp: int) -> bool:
+        """Whether `tp` splits this part on its units; a split the base kind refuses does not work (no
+        fallback to a whole part here: the tps an error lists must work for every part of the module)."""
         try:
-            return all(self._edges(logical, self._select_logical(logical, held, r, tp), held) is None
-                       for r in range(tp))
+            _axes, logical, held = self._logical(shape, tp)
+            return all(self._edges(logical, self.base.select(logical, r, tp), held) is None for r in range(tp))
         except PlanError:
             return False
 
@@ -155,7 +160,7 @@ class PartLoader(SliceLoader):
         bad = self._edges(logical, sel, held)
         if bad is not None:
             dim, unit, what, at = bad
-            good = [t for t in range(1, MAX_LISTED_TP + 1) if self._works(logical, held, t)]
+            good = [t for t in range(1, MAX_LISTED_TP + 1) if self._works(shape, t)]
             raise PlanError(
                 f"the {LOGICAL.get(dim, f'{dim}')} dim has {logical[dim + len(logical)]} values and tp={world_size} "
                 f"puts a rank boundary at {at}, inside one {what} ({unit} values), which two "

@@ -11,12 +11,12 @@ import httpx
 import pytest
 import torch
 from safetensors.torch import load_file
-from torch import nn
 
 from reshard.errors import PlanError
 from reshard.format.rank_file import rank_file_name
 from reshard.testing.synth import llama_config
 from tests.support.dist import run_distributed
+from tests.support.fill_checks import Holder
 from tests.support.fp4_ckpt import GPT_OSS, MX_BLOCK, gpt_oss_mxfp4, nvfp4_checkpoint
 from tests.support.live import live_server
 
@@ -53,21 +53,6 @@ def test_service_streams_fp4_shards_byte_identical_to_write(root: Path, tmp_path
         assert bad.status_code == 422 and bad.json()["error"] == "PlanError"
         assert "inside one MXFP4 block of 32 FP4 values" in bad.json()["detail"]
         assert "Traceback" not in srv.log()
-
-
-class Holder(nn.Module):
-    """A consumer holding packed tensors as stored, under their checkpoint names (vLLM-like parameters)."""
-
-    def __init__(self, shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> None:
-        super().__init__()
-        for name, (shape, dtype) in shapes.items():
-            *path, leaf = name.split(".")
-            mod: nn.Module = self
-            for part in path:
-                if not hasattr(mod, part):
-                    mod.add_module(part, nn.Module())
-                mod = getattr(mod, part)
-            mod.register_parameter(leaf, nn.Parameter(torch.full(shape, 7).to(dtype), requires_grad=False))
 
 
 def mx_rank_shapes(full: dict[str, torch.Tensor], tp: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:

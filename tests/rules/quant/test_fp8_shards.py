@@ -9,7 +9,6 @@ from typing import Any
 
 import pytest
 import torch
-from safetensors import safe_open
 from safetensors.torch import load_file
 
 from reshard.cli import main
@@ -30,31 +29,10 @@ from tests.support.fp8_ckpt import (
     fp8_checkpoint,
     write,
 )
+from tests.support.rank_files import differing_ranks, rank_file, same_bytes, written_ranks
+from tests.support.tp_math import linear_index, llama_rules
 
 pytestmark = pytest.mark.pure
-
-
-def heads_rows(heads: int, head_dim: int, tp: int, rank: int) -> torch.Tensor:
-    """A column split on heads; with fewer heads than ranks each head goes to tp/heads ranks."""
-    if heads % tp == 0:
-        return torch.arange(heads * head_dim).chunk(tp)[rank]
-    h = rank // (tp // heads)
-    return torch.arange(h * head_dim, (h + 1) * head_dim)
-
-
-def expected_index(name: str, cfg: dict[str, Any], tp: int, rank: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """(rows, cols) of the full weight that rank `rank` holds (None: all of that dim), by the TP math."""
-    nh, kv, hd, inter = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"], cfg["intermediate_size"]
-    module = name.split(".")[-2]
-    q, k = heads_rows(nh, hd, tp, rank), heads_rows(kv, hd, tp, rank)
-    half = torch.arange(inter).chunk(tp)[rank]
-    return {
-        "q_proj": (q, None), "k_proj": (k, None), "v_proj": (k, None),
-        "o_proj": (None, torch.arange(nh * hd).chunk(tp)[rank]),
-        "gate_proj": (half, None), "up_proj": (half, None), "down_proj": (None, half),
-        "qkv_proj": (torch.cat([q, nh * hd + k, (nh + kv) * hd + k]), None),
-        "gate_up_proj": (torch.cat([half, inter + half]), None),
-    }[module]
 
 
 def take(t: torch.Tensor, rows: torch.Tensor | None, cols: torch.Tensor | None) -> torch.Tensor:
@@ -68,15 +46,6 @@ def blocks(index: torch.Tensor | None, block: int | None) -> torch.Tensor | None
     if index is None:
         return None
     return torch.zeros(1, dtype=torch.long) if block is None else torch.unique_consecutive(index // block)
-
-
-def rank_file(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    with safe_open(str(path), "pt") as f:
-        return {k: f.get_tensor(k) for k in f.keys()}, json.loads(f.metadata()["tensors"])
-
-
-def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -93,7 +62,7 @@ def test_every_rank_holds_its_blocks(ckpts: Path, shards: Any, case: str) -> Non
             for name in weights:
                 stem = name[: -len(".weight")]
                 scale_name = next(stem + s for s in (".weight_scale_inv", ".weight_scale") if stem + s in full)
-                rows, cols = expected_index(name, cfg, tp, rank)
+                rows, cols = linear_index(name.split(".")[-2], cfg, tp, rank)
                 assert same_bytes(local[name], take(full[name], rows, cols)), (case, tp, rank, name)
                 per_tensor = full[scale_name].numel() == 1  # every rank: the one scale
                 want_scale = full[scale_name] if per_tensor else take(
@@ -155,51 +124,21 @@ def test_merge_returns_the_original_bytes(ckpts: Path, shards: Any, tmp_path: Pa
 
 def test_fp8_shards_reshard_to_another_tp(shards: Any, tmp_path: Path) -> None:
     for case in ("block", "block_phi3", "channel"):
-        direct = write(shards(case, 4), 2, tmp_path / case)
-        for rank in range(2):
-            name = rank_file_name(rank, 2)
-            assert (direct / name).read_bytes() == (shards(case, 2) / name).read_bytes(), (case, rank)
+        assert differing_ranks(write(shards(case, 4), 2, tmp_path / case), shards(case, 2), 2) == [], case
 
 
-RULES = """\
-rules:
-  - pattern: "model.layers.*.self_attn.q_proj.*"
-    kind: column_fp8
-    heads: 8
-    block: [128, 128]
-  - pattern: "model.layers.*.self_attn.[kv]_proj.*"
-    kind: column_fp8
-    heads: 2
-    replicate_heads: true
-    block: [128, 128]
-  - regex: 'model\\.layers\\.\\d+\\.(self_attn\\.o|mlp\\.down)_proj\\..*'
-    kind: row_fp8
-    block: [128, 128]
-  - pattern: "model.layers.*.mlp.*_proj.*"
-    kind: column_fp8
-    block: [128, 128]
-  - pattern: model.embed_tokens.weight
-    kind: vocab_embed
-    pad: true
-  - pattern: lm_head.weight
-    kind: column
-    pad: true
-    gather_output: true
-"""
+RULES = llama_rules("_fp8", heads=8, kv_heads=2, options="block: [128, 128]")
 
 
 def test_a_rules_file_says_the_same_explicitly(ckpts: Path, shards: Any, tmp_path: Path) -> None:
     rules = tmp_path / "rules.yaml"
     rules.write_text(RULES)
     for tp in (2, 8):
-        out = write(ckpts / "block", tp, tmp_path / f"tp{tp}", "--rules", str(rules))
-        for rank in range(tp):
-            name = rank_file_name(rank, tp)
-            assert (out / name).read_bytes() == (shards("block", tp) / name).read_bytes(), (tp, rank)
+        assert differing_ranks(write(ckpts / "block", tp, tmp_path / f"tp{tp}", "--rules", str(rules)),
+                               shards("block", tp), tp) == [], tp
 
 
 @pytest.mark.parametrize(("qc", "message"), [
-    ({"quant_method": "gptq", "bits": 4}, "quant_method 'gptq' is not supported"),
     ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "quant_method 'bitsandbytes' is not supported"),
     ({"quant_method": "compressed-tensors", "config_groups": {"g": {"weights": {"num_bits": 4, "type": "int",
       "strategy": "group", "group_size": 128}}}}, "group 'g' has 4-bit int weights; only 8-bit float"),
@@ -231,9 +170,7 @@ def test_unquantized_modules_and_biases_keep_their_plain_rule(tmp_path: Path) ->
     kept = "model.layers.1.mlp.down_proj.weight"
     src = fp8_checkpoint(tmp_path / "ckpt", cfg, BLOCK_QC, keep=(kept,))
     full = load_file(src / "model.safetensors")
-    out = write(src, 2, tmp_path / "tp2")
-    for rank in range(2):
-        local, desc = rank_file(out / rank_file_name(rank, 2))
+    for rank, (local, desc) in enumerate(written_ranks(src, 2, tmp_path / "tp2")):
         assert desc[kept]["kind"] == "row" and local[kept].dtype == torch.bfloat16
         assert torch.equal(local[kept], full[kept].chunk(2, dim=1)[rank])
         assert desc["model.layers.0.mlp.down_proj.weight"]["kind"] == "row_fp8"
