@@ -130,7 +130,7 @@ class ShardBody:
         """Set what every body of the service has, then send the request (`_send`) and check its answer."""
         self.name, self.token, self.timeout, self.retries, self.backoff = name, token, timeout, retries, backoff
         self._auth = {**auth_headers(token), **self._basic}  # a URL's credentials: see `without_credentials`
-        self._pace = Pace.from_settings(name)
+        self._pace = Pace.from_settings()
         self.pos, self.size, self.etag, self.sha256, self.verify = 0, 0, "", None, True
         self._conn: http.client.HTTPConnection | None = None
         self._resp: http.client.HTTPResponse | None = None
@@ -269,7 +269,7 @@ def get_json(url: str, *, params: dict[str, Any] | None = None, token: str | Non
         conn, target = connect(full, timeout=timeout)
         try:
             conn.request("GET", target, headers={**auth_headers(token), **basic, "Accept-Encoding": "identity"})
-            pace = Pace.from_settings(clean)
+            pace = Pace.from_settings()
             resp = conn.getresponse()
             if 200 <= resp.status < 300:
                 return json.loads(read_capped(resp, cap=MAX_JSON_BYTES, pace=pace, what=clean))

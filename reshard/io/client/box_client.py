@@ -95,7 +95,7 @@ def post_json(url: str, payload: bytes, *, token: str | None, retries: int = 5, 
         try:
             conn.request("POST", target, body=payload,
                          headers={**auth_headers(token), **basic, "Content-Type": "application/json"})
-            pace = Pace.from_settings(f"POST {clean}")
+            pace = Pace.from_settings()
             resp = conn.getresponse()
             body = read_capped(resp, cap=MAX_JSON_BYTES, pace=pace, what=f"POST {clean}")
         finally:

@@ -1,6 +1,6 @@
 """A download's deadline: how a client of the service tells a stalled transfer from a slow one.
 
-    pace = Pace.from_settings(f"{url} rank 1/4")    # RESHARD_CLIENT_STALL (30 s), RESHARD_CLIENT_MIN_RATE (4096 B/s)
+    pace = Pace.from_settings()                      # RESHARD_CLIENT_STALL (30 s), RESHARD_CLIENT_MIN_RATE (4096 B/s)
     pace.restart()                                   # a request was sent: its window starts now
     if pace.got(len(piece)):                         # bytes arrived; a `Stalled` where the pace fell too low
         tries.progressed()                           # only progress at the pace resets the count of failures
@@ -53,15 +53,16 @@ class PaceLimits:
 
 
 class Pace:
-    """The pace of one download (see the module docstring); `what` names it in the error."""
+    """The pace of one download (see the module docstring); the loop that reads it names the download in
+    its own error (`giving up after N retries at byte B: stalled: ...`)."""
 
-    def __init__(self, limits: PaceLimits, what: str, *, clock: Callable[[], float] = time.monotonic) -> None:
-        self.limits, self.what, self.clock = limits, what, clock
+    def __init__(self, limits: PaceLimits, *, clock: Callable[[], float] = time.monotonic) -> None:
+        self.limits, self.clock = limits, clock
         self.count, self.since = 0, clock()
 
     @classmethod
-    def from_settings(cls, what: str) -> Pace:
-        return cls(PaceLimits.from_settings(), what)
+    def from_settings(cls) -> Pace:
+        return cls(PaceLimits.from_settings())
 
     def restart(self) -> None:
         """A new request: its window starts now, nothing counted yet."""
@@ -77,7 +78,7 @@ class Pace:
             return True
         if now - self.since > self.limits.stall:
             lim = self.limits
-            raise Stalled(f"{self.what}: stalled: {self.count} bytes in {now - self.since:.1f} s, under the minimum "
+            raise Stalled(f"stalled: {self.count} bytes in {now - self.since:.1f} s, under the minimum "
                           f"of {lim.min_rate} bytes/s over {lim.stall:g} s ({env_name('client_min_rate')}, "
                           f"{env_name('client_stall')})")
         return False

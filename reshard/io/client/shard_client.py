@@ -233,7 +233,7 @@ class ShardClient:
         """GET `url`'s body from `start` (resumed with Range after failures), at most `size` bytes where it
         is known, at the pace; returns its `ShardHead` (size, ETag, the sha256 the server sent)."""
         pos, server_sha = start, None
-        pace = Pace(self.pace, what)
+        pace = Pace(self.pace)
         timeout = httpx.Timeout(self.timeout, connect=min(self.timeout, 10.0), read=self.pace.read_timeout(self.timeout))
         tries = self._tries(lambda e: ReshardError(f"{what}: giving up after {self.retries} retries at byte {pos}: {e}"))
         while size is None or pos < size:
@@ -296,7 +296,7 @@ class ShardClient:
         params = {**self.params, **(params or {})}
 
         def once() -> Answer:
-            pace = Pace(self.pace, f"{method} {url}")
+            pace = Pace(self.pace)
             with self._http.stream(method, url, params=params, headers=headers,
                                    timeout=timeout or httpx.USE_CLIENT_DEFAULT) as r:
                 what = f"{method} {r.request.url}"
