@@ -179,7 +179,7 @@ def test_killed_pull_resumes_to_identical_file(server: LiveServer, written: Any,
         proxy.rate = 1e12  # the rerun goes through the same URL (the partial file is tied to it), at full speed
         rerun = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert rerun.returncode == 0, rerun.stderr
-    assert ", resumed at " in rerun.stderr, rerun.stderr
+    assert ", resumed at " in rerun.stdout, (rerun.stdout, rerun.stderr)  # the result, on stdout
     got = dest.read_bytes()
     assert got == want
     assert hashlib.sha256(got).hexdigest() == record["files"][want_path.name]["sha256"]

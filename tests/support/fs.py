@@ -205,9 +205,10 @@ def reshard(*args: object, timeout: float = 120) -> subprocess.CompletedProcess[
 
 
 def assert_clean(r: subprocess.CompletedProcess[str], *needles: str) -> str:
-    """Exit status 1 (not a signal), one `reshard: error:` line naming each needle, no traceback."""
+    """Exit status 1 (not a signal), one `reshard: error:` line naming each needle, no traceback (retries
+    announced as they happen, `reshard: warning:` lines, may come before it)."""
     assert r.returncode == 1, (r.returncode, r.stderr)
-    lines = r.stderr.splitlines()
+    lines = [ln for ln in r.stderr.splitlines() if not ln.startswith("reshard: warning: ")]
     assert len(lines) == 1 and lines[0].startswith("reshard: error: "), r.stderr
     for needle in needles:
         assert needle in lines[0], (needle, lines[0])
