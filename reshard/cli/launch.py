@@ -285,10 +285,13 @@ def check_target(args: argparse.Namespace) -> None:
     """Before anything is imported or forked: the script or module exists, and what the trainer or `--preload`
     needs is installed (else each rank would print its own traceback)."""
     if args.module:
+        first, sys.path[0] = sys.path[0], os.getcwd()  # where a rank looks for it (`run_rank`, as `python -m`)
         try:
             found = importlib.util.find_spec(args.target) is not None
         except (ImportError, ValueError):  # a parent package that is missing, or an empty name
             found = False
+        finally:
+            sys.path[0] = first
         if not found:
             raise ReshardError(f"-m {args.target}: no such module here; check its name (and that its package is "
                                "installed or in the current directory)")

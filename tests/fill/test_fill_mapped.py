@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -158,15 +159,19 @@ def test_the_fill_path_imports_no_http_or_settings_stack(llama_shards: dict[str,
 
 
 class _FlippingProxy(LoopbackProxy):
-    """Relays the service's answers with one byte of the body changed (headers, and so the digest, intact)."""
+    """Relays the service's answers with one byte of each shard's body changed, 64 bytes before its end: in
+    the tensor data, past the shard's header (the HTTP headers, and so the digest, intact; JSON answers as sent)."""
 
     def _relay(self, up: Any, client: Any, state: Any) -> None:
-        sent, body_at = 0, None
+        sent, body_at, length = 0, None, 0
         while data := up.recv(65536):
             buf = bytearray(data)
             if body_at is None and b"\r\n\r\n" in buf:
                 body_at = sent + buf.index(b"\r\n\r\n") + 4
-            flip = None if body_at is None else body_at + 5000 - sent
+                head = bytes(buf[: buf.index(b"\r\n\r\n")]).lower()
+                m = re.search(rb"content-length: *(\d+)", head)
+                length = int(m.group(1)) if m and b"application/json" not in head else -(1 << 40)
+            flip = None if body_at is None else body_at + length - 64 - sent
             if flip is not None and 0 <= flip < len(buf):
                 buf[flip] ^= 0xFF
             client.sendall(bytes(buf))
