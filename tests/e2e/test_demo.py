@@ -61,3 +61,15 @@ def test_demo_failure_stops_everything(tmp_path: Path) -> None:
     assert r.stderr.strip().splitlines()[-1].startswith("reshard: error:")
     leftover = subprocess.run(["pgrep", "-f", f"--root {work}"], capture_output=True, text=True)
     assert leftover.stdout.strip() == "", "the demo left its service running"
+
+
+def test_demo_json_is_the_summary_alone_on_stdout(tmp_path: Path) -> None:
+    """`reshard demo --json`: stdout is one JSON document (the summary: losses, bytes per rank, the merge
+    verified), the account of each step on stderr."""
+    work = tmp_path / "demo"
+    r = _run(["demo", "--workdir", str(work), "--preset", "tiny", "--steps", "2", "--seq-len", "16", "--batch-size", "2",
+              "--json"])
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    summary = json.loads(r.stdout)
+    assert len(summary["losses"]) == 2 and summary["verified_tensors"] > 0 and len(summary["shard_bytes_per_rank"]) == 2
+    assert summary["merged"] == str(work / "merged") and "==> 6/6" in r.stderr and "==>" not in r.stdout
