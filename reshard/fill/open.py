@@ -56,7 +56,7 @@ def open_rank_stream(
                               "write` makes one), a rank file, or the service's http://HOST:PORT/v1/checkpoints/NAME")
     if not path.is_file():
         have = sorted({named[1] for p in root.iterdir() if (named := parse_rank_file_name(p.name))})
-        flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in layout.sizes().items() if v != 1 or k == "tp")
+        flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in layout.given().items())
         here = f"the rank files here are of worlds of {have} ranks" if have else "there are no rank files here"
         raise CheckpointError(f"{root}: no {path.name} for {layout.describe()} ({here}); run `reshard write {root} "
                               f"{flags} -o DIR` and give DIR")

@@ -79,15 +79,23 @@ def open_sealed(path: str | os.PathLike[str], size: int | None = None) -> int | 
 
 
 def _matches(fd: int, n: int) -> bool:
-    sha, buf, at = hashlib.sha256(), bytearray(min(n, 8 << 20) or 1), 0
+    try:
+        return os.pread(fd, TRAILER, n) == _seal_of(fd, n)
+    except EOFError:
+        return False
+
+
+def _seal_of(fd: int, n: int) -> bytes:
+    """The seal of bytes [0, n) of the file open on `fd`, read in 8 MiB blocks; EOFError if it is shorter."""
+    sealer, buf, at = Sealer(), bytearray(min(n, 8 << 20) or 1), 0
     view = memoryview(buf)
     while at < n:
         got = os.preadv(fd, [view[: min(len(buf), n - at)]], at)
         if got <= 0:
-            return False
-        sha.update(view[:got])
+            raise EOFError(f"the file ended at byte {at} of {n}")
+        sealer.update(view[:got])
         at += got
-    return os.pread(fd, TRAILER, n) == MAGIC + sha.digest()
+    return sealer.trailer()
 
 
 def touch_used(fd: int, *, every: float = 60.0) -> None:
@@ -102,12 +110,7 @@ def touch_used(fd: int, *, every: float = 60.0) -> None:
 def seal_fd(fd: int, n: int) -> None:
     """Append the seal of bytes [0, n) of the file open (read-write) on `fd`, for a file written out of
     order: its bytes read back once."""
-    sealer, buf, at = Sealer(), bytearray(min(n, 8 << 20) or 1), 0
-    view = memoryview(buf)
-    while at < n:
-        got = os.preadv(fd, [view[: min(len(buf), n - at)]], at)
-        if got <= 0:
-            raise OSError(f"the file ended at byte {at} of {n} while it was sealed")
-        sealer.update(view[:got])
-        at += got
-    os.pwrite(fd, sealer.trailer(), n)
+    try:
+        os.pwrite(fd, _seal_of(fd, n), n)
+    except EOFError as e:
+        raise OSError(f"{e} while it was sealed") from None

@@ -127,6 +127,11 @@ class Layout:
     def sizes(self) -> dict[str, int]:
         return asdict(self)
 
+    def given(self) -> dict[str, int]:
+        """The sizes other than 1, tp always, in `DIMS` order: how a rank file, a query and the trainer
+        state name a layout."""
+        return {k: v for k, v in self.sizes().items() if v != 1 or k == "tp"}
+
     @classmethod
     def from_sizes(cls, sizes: Mapping[str, int] | Any) -> Layout:
         """The layout of the dimensions `sizes` names (a mapping, or an object with one attribute per
@@ -137,7 +142,7 @@ class Layout:
 
     def to_json(self) -> str:
         """The compact JSON a rank file's metadata records (sizes other than 1, in `DIMS` order)."""
-        return json.dumps({k: v for k, v in self.sizes().items() if v != 1 or k == "tp"}, separators=(",", ":"))
+        return json.dumps(self.given(), separators=(",", ":"))
 
     @classmethod
     def from_obj(cls, obj: Any, *, where: str = "layout") -> Layout:

@@ -163,7 +163,7 @@ class Placement:
         if lay.tp_only:
             return RankPlace(lay.tp, rank)
         c = lay.coords(rank)
-        return RankPlace(lay.tp, rank, {k: v for k, v in lay.sizes().items() if v != 1 or k == "tp"},
+        return RankPlace(lay.tp, rank, lay.given(),
                          {k: getattr(c, k) for k in COORDS})
 
     def check(self) -> None:

@@ -175,12 +175,12 @@ def copy_small_files(source: str | None, dest: Path) -> list[str]:
         from reshard.io.client.shard_client import ShardClient  # httpx only for a URL
 
         with ShardClient(source) as client:
-            for name in names:
-                data = client.meta_file(name)
-                if data is not None:
-                    with atomic_file(dest / name) as f:
-                        f.write(data)
-                    copied.append(name)
+            for entry in client.meta_listing():  # one listing; each file checked against it as it arrives
+                if entry["name"] in names:
+                    with atomic_file(dest / entry["name"]) as f:
+                        for _pos, _size, piece in client.meta_pieces(entry):
+                            f.write(piece)
+                    copied.append(entry["name"])
         return copied
     root = Path(source).parent if Path(source).is_file() else Path(source)
     for name in names:

@@ -39,7 +39,7 @@ from reshard.format.rank_file import TRAINER_STATE_NAME
 from reshard.layout.mesh import Layout
 
 __all__ = ["FORMAT", "STATE_NAME", "check_state", "decode_rng", "encode_rng", "encode_state", "read_state",
-           "layout_json", "model_fingerprint", "relaid_state", "rng_snapshot", "seeded_rng"]
+           "model_fingerprint", "relaid_state", "rng_snapshot", "seeded_rng"]
 
 FORMAT = "reshard.trainer_state/1"
 STATE_NAME = TRAINER_STATE_NAME
@@ -71,7 +71,7 @@ def encode_state(
 ) -> dict[str, Any]:
     """The trainer state (the module docstring) as JSON values, checked."""
     state = {
-        "version": FORMAT, "step": step, "layout": layout_json(layout), "files": dict(sorted(files.items())),
+        "version": FORMAT, "step": step, "layout": layout.given(), "files": dict(sorted(files.items())),
         "optimizer": {"type": optimizer, "step": step},
         "scheduler": dict(scheduler) if scheduler is not None else None,
         "generators": {k: encode_rng(g.get_state()) for k, g in generators.items()},
@@ -111,11 +111,6 @@ def model_fingerprint(config: Mapping[str, Any] | None, tensors: Mapping[str, Ma
     return hashlib.sha256(json.dumps(what, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
-def layout_json(layout: Layout) -> dict[str, int]:
-    """A layout as the trainer state records it: its sizes other than 1, tp always."""
-    return {k: v for k, v in layout.sizes().items() if v != 1 or k == "tp"}
-
-
 def read_state(directory: Path) -> dict[str, Any] | None:
     """The checked trainer state of a checkpoint directory, None when there is none (weights only)."""
     path = Path(directory) / STATE_NAME
@@ -144,6 +139,6 @@ def relaid_state(
     """The trainer state of checkpoint `state` re-laid out at `layout`: step, optimizer, scheduler,
     generators and extra kept; `layout`, `files` (relative path -> sha256) and the per-rank `rng` (the
     reseeded states, one per rank: `seeded_rng`) replaced; `relaid_from` records the layout it was saved at."""
-    out = {**state, "layout": layout_json(layout), "files": dict(sorted(files.items())), "rng": list(rng),
+    out = {**state, "layout": layout.given(), "files": dict(sorted(files.items())), "rng": list(rng),
            "relaid_from": dict(state.get("relaid_from") or state["layout"])}
     return check_state(out, f"trainer state re-laid at {layout.describe()}")

@@ -69,7 +69,7 @@ def layout_params(layout: int | Layout) -> dict[str, int]:
     """The query parameters naming a layout (`tp`, and the other sizes that are not 1); an integer is tp."""
     if isinstance(layout, int):
         return {"tp": layout}
-    return {k: v for k, v in layout.sizes().items() if v != 1 or k == "tp"}
+    return layout.given()
 
 
 def as_world(layout: int | Layout) -> int:
