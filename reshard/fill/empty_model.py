@@ -28,6 +28,7 @@ from reshard.format.checkpoint import CONFIG_NAME
 from reshard.io.client.body import get_json
 from reshard.io.client.wire import checkpoint_url, redact
 from reshard.io.source.stores import is_url
+from reshard.rules.tp_plans.built import hf_config, meta_model
 from reshard.tp.comm import tp_world_size
 
 
@@ -106,39 +107,6 @@ def _warm_build(raw: dict[str, Any], auto_class: Any) -> None:
             auto_class.from_config(transformers.AutoConfig.for_model(**small))
     except Exception:  # noqa: BLE001  an architecture this cannot shrink: the ranks warm up themselves
         pass
-
-
-def meta_model(config: Any, *, dtype: torch.dtype, attn_implementation: str | None = None) -> nn.Module:
-    """`AutoModelForCausalLM.from_config` on the meta device, with weight initialization switched off; a tied
-    head is the embedding's Parameter, as `from_pretrained` leaves it."""
-    from transformers import AutoModelForCausalLM
-    from transformers.initialization import no_init_weights
-
-    kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
-    try:
-        with torch.device("meta"), no_init_weights():
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype, **kwargs)
-    except ValueError as e:  # transformers: "Unrecognized configuration class ... for AutoModelForCausalLM"
-        raise CheckpointError(
-            f"config.json: model_type {config.model_type!r} has no causal-LM class in transformers: "
-            f"{str(e).splitlines()[0]}"
-        ) from None
-    model.tie_weights()
-    return model
-
-
-def hf_config(config: dict[str, Any]) -> Any:
-    """The transformers config object for a config.json dict (`model_type` picks the class)."""
-    require("transformers", what="building a transformers model (the trainer, empty_tp_model)")
-    from transformers import CONFIG_MAPPING
-
-    model_type = config.get("model_type")
-    if model_type not in CONFIG_MAPPING:
-        raise CheckpointError(
-            f"config.json: model_type {model_type!r} is not a transformers architecture "
-            f"(transformers knows {len(CONFIG_MAPPING)} model types, e.g. llama, qwen3, mixtral)"
-        )
-    return CONFIG_MAPPING[model_type].from_dict(dict(config))
 
 
 def init_buffers(model: nn.Module) -> None:

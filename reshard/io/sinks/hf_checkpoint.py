@@ -36,6 +36,7 @@ from reshard.io.outfs import (
     write_json_atomic,
 )
 from reshard.io.progress import Progress
+from reshard.io.sinks.merge_checks import check_merge
 from reshard.io.sinks.target import check_not_source
 from reshard.io.sinks.writer import write_files
 from reshard.io.source.dcp_dir import DcpCheckpoint
@@ -90,6 +91,10 @@ def merge(src: str | Path, out: str | Path, *, max_file_bytes: int = DEFAULT_MAX
     for s in (shards, moments):
         if s is not None:
             check_recorded(s)
+    check_merge(shards)  # the plan, the replicas, the model's shapes (`merge_checks`)
+    if moments is not None:
+        check_merge(moments, config=shards.config, names={n: p[0] for n in moments.tensors
+                                                          if (p := parse_optimizer_tensor_name(n))})
     summary = _merge_into(shards, out, merge_plans(shards, max_file_bytes=max_file_bytes), progress)
     if moments is not None:
         summary["optimizer"] = {}

@@ -22,6 +22,8 @@ class Converted:
     name: str
     per_expert: bool = False
     other_ops: tuple[str, ...] = ()  # conversion ops besides stacking and concatenating (reshard cannot follow)
+    sources: int = 1  # how many disk tensors per expert the converter concatenates
+    concat: int | None = None  # along which dim of one expert's block (None: stacked only)
 
 
 class _Transform:
@@ -31,6 +33,7 @@ class _Transform:
         self.kind = item["type"]
         self.target = item["target"][0] if item["target"] else ""
         self.ops = tuple((op[0], op[1]) for op in item.get("ops", ()))
+        self.sources = len(item["source"])
         branches = []
         for i, src in sorted(enumerate(item["source"]), key=lambda x: -len(x[1])):
             pattern = src.replace("*.", r".*\.")
@@ -67,5 +70,6 @@ class Conversion:
             new = t.apply(key)
             if new is not None:
                 other = tuple(op for op, _ in t.ops if op not in FOLLOWED_OPS)
-                return Converted(new, "MergeModulelist" in (op for op, _ in t.ops), other)
+                concat = next((d - 1 for op, d in t.ops if op == "Concatenate" and isinstance(d, int) and d >= 1), None)
+                return Converted(new, "MergeModulelist" in (op for op, _ in t.ops), other, t.sources, concat)
         return Converted(key)
