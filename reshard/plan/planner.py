@@ -119,9 +119,8 @@ class RankPlanner:
 
     def _layout(self, name: str, gt: GlobalTensor, rank: int) -> GroupLayout:
         rule = self.rules[name]
-        sel = self.placement.select(name, gt.shape, rule, rank)
-        shape = selection_shape(sel)
-        probe = OutTensor(name, gt.dtype, shape, gt.shape, rule.kind, dict(rule.options), sel, ())
+        probe = _probe(name, gt, rule, self.placement, rank)
+        sel, shape = probe.selection, probe.shape
         nbytes = math.prod(shape) * DTYPE_SIZES[gt.dtype]
         segments = segments_for(gt, sel)
         assert nbytes == sum(s.nbytes for s in segments), name
@@ -131,6 +130,12 @@ class RankPlanner:
         described = probe.describe()
         return GroupLayout(sel, shape, nbytes, read, replicated, segments, str(info.file), info.start,
                            tensor_json(described), HeaderEncoder.entry_head(gt.dtype, shape), dcp_fragment(described))
+
+
+def _probe(name: str, gt: GlobalTensor, rule: Rule, placement: Placement, rank: int) -> OutTensor:
+    """Tensor `name` as `rank` holds it, with no reads planned (what its header entry describes)."""
+    sel = placement.select(name, gt.shape, rule, rank)
+    return OutTensor(name, gt.dtype, selection_shape(sel), gt.shape, rule.kind, dict(rule.options), sel, ())
 
 
 def _group_keys(tensors: Mapping[str, GlobalTensor], rules: Mapping[str, Rule]) -> tuple[list[Any], Mapping[str, Any], Mapping[str, Any]]:
@@ -244,6 +249,14 @@ class LayoutPlanner:
     def forget(self, rank: int) -> None:
         """Drop the layouts kept for a second `plan(rank)` (a RankPlan holds its own)."""
         self.planner(rank).forget(rank)
+
+    def descriptions(self, rank: int) -> dict[str, str]:
+        """What `plan(rank)`'s header says of each tensor the rank holds (`tensor_json` of its kind, options,
+        global shape and selection), with no reads planned: for rank files that describe themselves
+        (`reshard merge` checks them against it)."""
+        self.layout.check_rank(rank)
+        held = self.tensors if self.layout.tp_only else self.placement.held(self.tensors, self.layout.coords(rank))
+        return {n: tensor_json(_probe(n, gt, self.rules[n], self.placement, rank).describe()) for n, gt in held.items()}
 
 
 def as_layout(layout: Layout | int) -> Layout:

@@ -3,7 +3,9 @@
 The source describes itself: rank files by their metadata, a DCP checkpoint by its `.metadata` or its
 `DCP_SHARDING_INFO` (`reshard.io.source.dcp_dir`). Each output file is planned like a rank file (every
 tensor whole, from the pieces the ranks hold, padding dropped) and streamed in bounded chunks: no tensor
-is ever materialized.
+is ever materialized. Before anything is written the pieces are checked to make one checkpoint: the
+recorded digests (`check_recorded`), then the plan, the replicas and the model's shapes
+(`reshard.io.sinks.merge_checks`).
 
 With `optimizer=True` a training checkpoint's AdamW state (`SRC/optimizer/`, `reshard.format.rank_file`)
 is merged too, one HF-shaped checkpoint per moment under the parameters' own names:

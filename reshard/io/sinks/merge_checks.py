@@ -4,7 +4,7 @@ The rank files' digests (`hf_checkpoint.check_recorded`) say the files are the o
 they are recorded. Beyond them, three checks any set of pieces must pass:
 
 - **the plan**: the rank files describe themselves (kind, options, global shape per tensor; the layout),
-  so their plan is re-derived (`make_plan` of the recorded kinds at the recorded layout, config.json
+  so their plan is re-derived (`make_planner` of the recorded kinds at the recorded layout, config.json
   placing pipeline stages and experts) and every rank's tensor descriptions must be that plan's for its
   rank: a tensor the layout puts on every rank of its group that some ranks lack, a piece at another
   place than its rule gives it, is refused, naming the tensor and the ranks;
@@ -28,7 +28,7 @@ from reshard.format.checkpoint import GlobalTensor, PiecedSource
 from reshard.format.rank_file import decode_metadata
 from reshard.io.source.rank_dir import ShardSet
 from reshard.io.source.readers import open_reader
-from reshard.plan.planner import make_plan
+from reshard.plan.planner import make_planner
 from reshard.plan.types import source_files
 from reshard.rules.tp_plans.built import model_shapes
 
@@ -49,17 +49,14 @@ def check_merge(shards: PiecedSource, *, config: dict[str, Any] | None = None,
 
 def check_plan(shards: ShardSet) -> None:
     """Every rank's tensor descriptions are the ones the plan re-derived from them gives its rank."""
-    plan = make_plan(shards, shards.manifest(), shards.layout, lazy=True)
+    planner, _ = make_planner(shards, shards.manifest(), shards.layout)
     placed: dict[str, list[int]] = {}
     held: dict[str, dict[int, Any]] = {}
     for rank, info in enumerate(shards.files):
-        rp = plan.ranks[rank]
-        size = int.from_bytes(rp.header[:8], "little")
-        planned = json.loads(json.loads(rp.header[8:8 + size])["__metadata__"]["tensors"])
         found = decode_metadata(info.metadata, str(info.path)).tensors
-        for name, d in planned.items():
+        for name, planned in planner.descriptions(rank).items():
             placed.setdefault(name, []).append(rank)
-            if name in found and found[name] != d:
+            if name in found and found[name] != (d := json.loads(planned)):
                 raise CheckpointError(f"{info.path}: tensor {name!r} is described as {_brief(found[name])}; the "
                                       f"{shards.layout.describe()} plan gives rank {rank} {_brief(d)}: {_FIX}")
         for name in found:
