@@ -8,16 +8,23 @@ Names on disk reach the model's through transformers' conversion mapping, as on 
 (`reshard.rules.tp_plans.convert`): renamed ones (Mixtral's `block_sparse_moe.gate`) take the renamed
 parameter's shape, per-expert ones that transformers fuses (`experts.N.gate_proj`, `up_proj` ->
 `experts.gate_up_proj` [E, gate+up, H]) one expert's block of it. torch and transformers are imported
-only when a model is built.
+only when a model is built; its shapes are kept in this user's cache, per config and transformers version.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import json
+import os
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
+from reshard.cachedir import cache_dir
 from reshard.errors import CheckpointError, require
+from reshard.format.checkpoint import parse_json
 from reshard.rules.tp_plans.convert import Conversion, Converted
+from reshard.rules.tp_plans.live import transformers_version
 
 if TYPE_CHECKING:
     import torch
@@ -64,13 +71,9 @@ def model_shapes(config: dict[str, Any] | None, names: Iterable[str]) -> dict[st
     its packed tensors are stored in other shapes), no torch or transformers, an architecture it cannot build."""
     if not config or not isinstance(config.get("model_type"), str) or config.get("quantization_config"):
         return {}
-    try:
-        import torch
-
-        model = meta_model(hf_config(config), dtype=torch.float32)
-    except Exception:  # noqa: BLE001  no torch or transformers, an unknown or unbuildable architecture
+    state = _state_shapes(config)
+    if not state:
         return {}
-    state = {n: tuple(t.shape) for n, t in model.state_dict(keep_vars=True).items()}
     from reshard.rules.tp_plans import entry_for
 
     entry, _ = entry_for(config["model_type"])
@@ -81,6 +84,34 @@ def model_shapes(config: dict[str, Any] | None, names: Iterable[str]) -> dict[st
         if shape is not None:
             out[name] = shape
     return out
+
+
+def _state_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """Every state-dict tensor's shape of the model of `config` ({} where it cannot be built), kept in this
+    user's cache (`cache_dir("model-shapes")`) under the digest of the config and transformers' version:
+    a process that finds it there imports neither torch nor transformers (about 4 s, 12 s on a busy machine)."""
+    key = hashlib.sha256(json.dumps([config, transformers_version()], sort_keys=True, default=str).encode()).hexdigest()
+    dest = cache_dir("model-shapes") / f"{key}.json"
+    with contextlib.suppress(OSError, CheckpointError):
+        kept = parse_json(dest.read_bytes(), str(dest))
+        if isinstance(kept, dict) and all(isinstance(v, list) and all(type(x) is int for x in v) for v in kept.values()):
+            return {str(n): tuple(v) for n, v in kept.items()}
+    try:
+        import torch
+
+        model = meta_model(hf_config(config), dtype=torch.float32)
+    except Exception:  # noqa: BLE001  no torch or transformers, an unknown or unbuildable architecture
+        return {}
+    state = {n: tuple(t.shape) for n, t in model.state_dict(keep_vars=True).items()}
+    tmp = dest.with_name(f".{dest.name}.{os.getpid()}")
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(state))
+        os.replace(tmp, dest)
+    except OSError:  # a cache that cannot be written: computed again next time
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+    return state
 
 
 def _converted_shape(c: Converted, state: dict[str, tuple[int, ...]]) -> tuple[int, ...] | None:
