@@ -79,6 +79,12 @@ def check_replicas(shards: ShardSet) -> None:
     keys = source_files(shards)
     readers: dict[str, Any] = {}
     buf = bytearray(BLOCK)
+
+    def reader(f: str) -> Any:
+        if f not in readers:
+            readers[f] = open_reader(f, keys[f])
+        return readers[f]
+
     try:
         for gt in shards.tensors.values():
             copies: dict[Any, list[Any]] = {}
@@ -86,13 +92,14 @@ def check_replicas(shards: ShardSet) -> None:
                 copies.setdefault(p.select, []).append(p)
             for pieces in copies.values():
                 if len(pieces) > 1:
-                    _compare(gt, pieces, rank_of, lambda f: readers.get(f) or readers.setdefault(f, open_reader(f, keys[f])), buf)
+                    _compare(gt, pieces, rank_of, reader, buf)
     finally:
         for r in readers.values():
             r.close()
 
 
 def _compare(gt: GlobalTensor, pieces: list[Any], rank_of: Mapping[str, int], reader: Any, buf: bytearray) -> None:
+    """`IntegrityError` unless every piece (one selection of `gt`, on several ranks) hashes the same."""
     digests: dict[str, list[int]] = {}
     for p in pieces:
         h = hashlib.blake2b(digest_size=16)
