@@ -60,39 +60,41 @@ def wrap(owner: Any, attr: str, name: str) -> None:
     setattr(owner, attr, classmethod(timed) if isinstance(static, classmethod) else timed)
 
 
-def _wrap_transformers() -> None:
-    import torch
-    from transformers import modeling_utils
+# (module, attribute of it (a dotted path for a class's method), phase): what the start-up goes through
+WRAPPED = (
+    ("transformers.modeling_utils", "PreTrainedModel.prepare_distribute_model", "mesh (prepare_distribute_model)"),
+    ("transformers.modeling_utils", "PreTrainedModel.maybe_distribute_model", "tp plan on meta (maybe_distribute_model)"),
+    ("transformers.modeling_utils", "PreTrainedModel._load_pretrained_model", "load weights (_load_pretrained_model)"),
+    ("transformers.modeling_utils", "PreTrainedModel._finalize_model_loading", "finalize (_finalize_model_loading)"),
+    ("transformers.modeling_utils", "PreTrainedModel.initialize_weights", "initialize_weights"),
+    ("torch.nn", "Module.to_empty", "to_empty"),
+)
+WRAPPED_RESHARD = (
+    ("reshard.fill.empty_model", "source_config", "config (GET)"),
+    ("reshard.fill.empty_model", "init_buffers", "init_buffers"),
+    ("reshard.fill.follow_model", "tensor_listing", "listing (GET)"),
+    ("reshard.fill.follow_model", "stored_names", "stored names"),
+    ("reshard.fill.follow_model", "held_blocks", "boxes (held_blocks)"),
+    ("reshard.fill.follow_model", "read_boxes_into", "request + copy + hash"),
+    ("reshard.fill.box_fill", "open_boxes", "  request (POST until headers)"),
+    ("reshard.io.hashing", "BackgroundHash.wait", "  hash: waits for the thread"),
+    ("reshard.io.hashing", "BackgroundHash.__exit__", "  hash: waits for the thread"),
+    ("reshard.io.client.box_client", "BoxBody.expected_sha256", "  digest (GET if not in headers)"),
+    ("reshard.fill.model", "open_rank_stream", "open shard (GET)"),
+    ("reshard.fill.model", "match_targets", "match targets"),
+    ("reshard.fill.model", "fill_parameters", "shard copy + hash"),
+)
 
-    pm = modeling_utils.PreTrainedModel
-    wrap(pm, "prepare_distribute_model", "mesh (prepare_distribute_model)")
-    wrap(pm, "maybe_distribute_model", "tp plan on meta (maybe_distribute_model)")
-    wrap(pm, "_load_pretrained_model", "load weights (_load_pretrained_model)")
-    wrap(pm, "_finalize_model_loading", "finalize (_finalize_model_loading)")
-    wrap(pm, "initialize_weights", "initialize_weights")
-    wrap(torch.nn.Module, "to_empty", "to_empty")
 
+def wrap_all(table: tuple[tuple[str, str, str], ...]) -> None:
+    import importlib
 
-def _wrap_reshard() -> None:
-    from reshard.fill import empty_model, follow_model, model
-
-    wrap(empty_model, "source_config", "config (GET)")
-    wrap(empty_model, "init_buffers", "init_buffers")
-    wrap(follow_model, "tensor_listing", "listing (GET)")
-    wrap(follow_model, "stored_names", "stored names")
-    wrap(follow_model, "held_blocks", "boxes (held_blocks)")
-    wrap(follow_model, "read_boxes_into", "request + copy + hash")
-    from reshard.fill import box_fill
-    from reshard.io.client.box_client import BoxBody
-    from reshard.io.hashing import BackgroundHash
-
-    wrap(box_fill, "open_boxes", "  request (POST until headers)")
-    wrap(BackgroundHash, "wait", "  hash: waits for the thread")
-    wrap(BackgroundHash, "__exit__", "  hash: waits for the thread")
-    wrap(BoxBody, "expected_sha256", "  digest (GET if not in headers)")
-    wrap(model, "open_rank_stream", "open shard (GET)")
-    wrap(model, "match_targets", "match targets")
-    wrap(model, "fill_parameters", "shard copy + hash")
+    for module, path, name in table:
+        *owners, attr = path.split(".")
+        owner: Any = importlib.import_module(module)
+        for o in owners:
+            owner = getattr(owner, o)
+        wrap(owner, attr, name)
 
 
 def worker(mode: str, source: str, out_dir: str) -> None:
@@ -108,7 +110,7 @@ def worker(mode: str, source: str, out_dir: str) -> None:
         reshard.enable_import_cache()  # what this version of empty_tp_model does before it imports transformers
     with phase("import transformers"):
         import transformers  # noqa: F401  (empty_tp_model would import it; timed here on its own)
-    _wrap_transformers()
+    wrap_all(WRAPPED)
     with phase("init_process_group"):
         dist.init_process_group("gloo")
     if mode == "from_pretrained":
@@ -117,7 +119,7 @@ def worker(mode: str, source: str, out_dir: str) -> None:
         with phase("from_pretrained (all)"):
             model = AutoModelForCausalLM.from_pretrained(source, tp_plan="auto")
     else:
-        _wrap_reshard()
+        wrap_all(WRAPPED_RESHARD)
         with phase("empty_tp_model (all)"):
             model = reshard.empty_tp_model(source)
         with phase("fill_model (all)"):

@@ -352,6 +352,11 @@ def gen_bench_fill(name: str = "fill.json") -> str:
     return "\n".join([*lines, "", f"Targets ({issue}):", "", *_table(["target", "value", "goal", "met"], rows)])
 
 
+def gen_bench_fill_phases() -> str:
+    """A TP worker's start-up per phase under torchrun (bench/fill_phases.py, bench/results/fill_phases.md)."""
+    return _results_as_written("fill_phases.md")
+
+
 def gen_bench_fill_torchrun() -> str:
     """TP worker start-up under plain torchrun, `follow="model"` included (bench/results/fill_torchrun.json)."""
     return gen_bench_fill("fill_torchrun.json")
@@ -467,6 +472,7 @@ GENERATORS: dict[str, Callable[[], str]] = {
     "bench-dcp-merge": gen_bench_dcp_merge,
     "bench-fill": gen_bench_fill,
     "bench-fill-torchrun": gen_bench_fill_torchrun,
+    "bench-fill-phases": gen_bench_fill_phases,
     "bench-link": gen_bench_link,
     "bench-vllm": gen_bench_vllm,
     "trainer-support": gen_trainer_support,
