@@ -31,6 +31,7 @@ COMMANDS = {
     "serve_options": "serve_options",
     "gather": "gather",
     "profile_write": "profile_write",
+    "fill_phases": "fill_phases",
     "trainer_support": "trainer_support",
 }
 

@@ -1,7 +1,8 @@
 """TP worker start-up on the 1 GB checkpoint at tp=2 and tp=4 (issue 23, item 3), interleaved:
 
 - torchrun + `from_pretrained(path, tp_plan="auto")` on the full checkpoint: the baseline, as a new user runs it;
-- torchrun + `empty_tp_model` + `fill_model` from `reshard serve`, and from local rank files;
+- torchrun + `empty_tp_model` + `fill_model` from `reshard serve` (the rank's shard, and `follow="model"`:
+  the boxes the model's DTensors hold, issue 35 item 3), and from local rank files;
 - `reshard launch` (one import, forked ranks) + the same fills, and + `from_pretrained`, so the table
   says what the launcher alone gives.
 
@@ -12,6 +13,8 @@ rank: the fill's report (the whole rank file), cross-checked with the service's 
 of 8 fixed tokens must agree between all runs.
 
     python -m bench.compare_fill [--reps 3] [--tp 2,4]   # writes bench/results/fill.json
+    python -m bench.compare_fill --torchrun --tp 2 --no-trainer --out bench/results/fill_torchrun.json
+                                                         # the torchrun cases alone (issue 35, item 3)
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ NAME = "llama"
 BASELINE = "torchrun + from_pretrained"
 LAUNCH_FP = "launch + from_pretrained"
 PREFETCH = "launch --prefetch + fill (service)"
+FOLLOW = "torchrun + fill follow=model (service)"
 RESULTS = Path(__file__).resolve().parent / "results" / "fill.json"
 
 
@@ -84,13 +88,16 @@ def worker_case(name: str, launcher: str, mode: str, source: str, tp: int, out: 
     return Case(name, [mode, source], runner=runner, extra=extra, note=f"{mode} from {source}")
 
 
-def cases_for(tp: int, ckpt: str, url: str, ranks_dir: str, work: Path, base: str) -> list[Case]:
+def cases_for(tp: int, ckpt: str, url: str, ranks_dir: str, work: Path, base: str, *,
+              torchrun_only: bool = False) -> list[Case]:
     fp, fill = "from_pretrained", "fill"
     plan = [(BASELINE, "torchrun", fp, ckpt, None), ("torchrun + fill (service)", "torchrun", fill, url, base),
+            (FOLLOW, "torchrun", "fill-model", url, base),
             ("torchrun + fill (rank files)", "torchrun", fill, ranks_dir, None),
             (LAUNCH_FP, "launch", fp, ckpt, None), ("launch + fill (service)", "launch", fill, url, base),
             ("launch + fill (rank files)", "launch", fill, ranks_dir, None),
             (PREFETCH, "launch", fill, url, base)]
+    plan = [p for p in plan if p[1] == "torchrun"] if torchrun_only else plan
     out = []
     for i, (name, launcher, mode, source, served) in enumerate(plan):
         count = (lambda: bytes_served(base)) if served else None
@@ -135,7 +142,8 @@ def summarise(res: dict[str, Any], tp: int, expected: dict[str, Any], *, referen
         c["bytes_per_rank"] = runs[-1]["bytes_pulled_per_rank"]
         c["mapped_per_rank"] = runs[-1]["mapped_per_rank"]
         c["verified"] = sorted({v for r in runs for v in r["verified_per_rank"] if v})
-        c["ratio_to_launch_fp"] = median([a["ready_s"] / b["ready_s"] for a, b in zip(runs, cases[reference]["runs"])])
+        c["ratio_to_launch_fp"] = median([a["ready_s"] / b["ready_s"] for a, b in zip(runs, cases[reference]["runs"])]
+                                         ) if reference in cases else None
         c["median_counted_bytes"] = median([r["counted_bytes"] for r in runs]) if runs[0]["counted_bytes"] is not None else None
     sums = [s for c in cases.values() for r in c["runs"] for s in r["logits_sum_per_rank"]]
     res["logits_agree"] = max(sums) - min(sums) <= 1e-3 * max(1.0, abs(sums[0]))
@@ -164,7 +172,7 @@ def linked_root(src: Path, work: Path) -> Path:
 
 
 def run_fill(src: Path, work: Path, *, full: bool = True, reps: int = 3, tps: tuple[int, ...] = TPS,
-             trainer: bool = True) -> list[dict[str, Any]]:
+             trainer: bool = True, torchrun_only: bool = False) -> list[dict[str, Any]]:
     """The TP worker comparisons (one per tp) and the trainer's, all against one `reshard serve`."""
     work = work / "fill"
     root = linked_root(src, work)
@@ -174,7 +182,8 @@ def run_fill(src: Path, work: Path, *, full: bool = True, reps: int = 3, tps: tu
     with server(reshard_serve_argv(root, port), f"{base}/healthz", log=work / "serve.log"):
         for tp in tps:
             ranks_dir = write_rank_files(root / NAME, tp, work / f"ranks-tp{tp}")
-            cases = cases_for(tp, str(root / NAME), f"{base}/v1/checkpoints/{NAME}", str(ranks_dir), work, base)
+            cases = cases_for(tp, str(root / NAME), f"{base}/v1/checkpoints/{NAME}", str(ranks_dir), work, base,
+                              torchrun_only=torchrun_only)
             res = interleave(f"TP worker start-up tp{tp}", cases, reps=reps, warmup=1, baseline=BASELINE)
             comps.append(summarise(res, tp, expected_bytes(src, tp)))
         if trainer:
@@ -207,12 +216,15 @@ def main(argv: list[str] | None = None) -> int:
     common_args(p, RESULTS)
     p.add_argument("--tp", default=",".join(map(str, TPS)))
     p.add_argument("--no-trainer", action="store_true", help="leave out the trainer's comparison")
+    p.add_argument("--torchrun", action="store_true", help="only the cases under torchrun (no `reshard launch`)")
     args = p.parse_args(argv)
     from bench.targets import fill_targets
 
-    root, ckpt, meta = prepared(args, f"python -m bench.compare_fill --reps {args.reps} --tp {args.tp}")
+    flags = "".join(f" {f}" for f, on in (("--torchrun", args.torchrun), ("--no-trainer", args.no_trainer)) if on)
+    out = "" if args.out == RESULTS else f" --out {os.path.relpath(args.out)}"
+    root, ckpt, meta = prepared(args, f"python -m bench.compare_fill --reps {args.reps} --tp {args.tp}{flags}{out}")
     comps = run_fill(ckpt, root / "work", reps=args.reps, tps=tuple(int(x) for x in args.tp.split(",")),
-                     trainer=not args.no_trainer)
+                     trainer=not args.no_trainer, torchrun_only=args.torchrun)
     meta["load_at_end"] = os.getloadavg()[0]
     results = {"meta": meta, "comparisons": comps, "targets": fill_targets({"comparisons": comps})}
     args.out.write_text(json.dumps(results, indent=2, default=str) + "\n")

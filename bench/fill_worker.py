@@ -3,6 +3,7 @@
 
     python -m bench.fill_worker from_pretrained CKPT_DIR OUT_DIR   # transformers on the full checkpoint
     python -m bench.fill_worker fill SOURCE OUT_DIR                # empty_tp_model + fill_model (URL or rank files)
+    python -m bench.fill_worker fill-model SOURCE OUT_DIR          # the same, fill_model(..., follow="model")
 
 `RESHARD_T0` (the launch time) makes `ready_s` count from launch: interpreter, imports (or the fork),
 process group, building and loading, until the model is ready. Each rank writes OUT_DIR/rank-R.json:
@@ -44,8 +45,8 @@ def _status_mib(*fields: str) -> dict[str, float]:
 def _import_model_class(mode: str, source: str) -> None:
     """What every mode imports before loading: transformers and the checkpoint's model class (as the
     launcher's preload does, and as from_pretrained would). A fill switches reshard's import cache on
-    first, as a worker of reshard's does (docs/launch.md): transformers is then imported through
-    `reshard.importcache`."""
+    first, as `empty_tp_model` does before it imports transformers (and a worker of reshard's does,
+    docs/launch.md): transformers is then imported through `reshard.importcache`."""
     if mode != "from_pretrained":
         import reshard
 
@@ -78,11 +79,11 @@ def main(mode: str, source: str, out_dir: str) -> None:
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(source, tp_plan="auto")
-    elif mode == "fill":
+    elif mode in ("fill", "fill-model"):
         import reshard
 
         model = reshard.empty_tp_model(source)
-        report = reshard.fill_model(model, source)
+        report = reshard.fill_model(model, source, follow="model" if mode == "fill-model" else "shard")
         fill = {"bytes_pulled": report.bytes, "mapped": report.mapped, "verified": report.verified}
     else:
         raise SystemExit(f"unknown mode {mode!r}")

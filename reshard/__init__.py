@@ -18,7 +18,8 @@ Importing reshard defines these names and does nothing else: no other library is
 written. `enable_import_cache()` is the one switch: a transformers imported after it does not read its
 own source tree to learn what it exports, that is kept on disk while the tree is unchanged
 (`reshard.importcache`), 0.6 s less per process on a 2-core machine. reshard's own entry points (the
-`reshard` commands, `reshard launch`, the trainer) call it; a worker of your own may, first thing.
+`reshard` commands, `reshard launch`, the trainer, `empty_tp_model` before it imports transformers)
+call it; a worker of your own may, first thing.
 """
 
 from __future__ import annotations

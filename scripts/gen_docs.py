@@ -318,8 +318,8 @@ def _worker_rows(comp: dict[str, Any]) -> list[list[Any]]:
     rows = []
     for name, c in _cases(comp):
         rows.append([name, _fmt(c["median_ready_s"], ".2f"), _fmt(c["ratio_to_baseline"], ".2f") + "x",
-                     _fmt(c["ratio_to_launch_fp"], ".2f") + "x", _fmt(c["median_load_s"], ".2f"),
-                     f"{_fmt(c['median_base_rss_mib'], '.0f')} + {_fmt(c['max_growth_mib'], '.0f')} "
+                     _fmt(c["ratio_to_launch_fp"], ".2f") + ("x" if c["ratio_to_launch_fp"] else ""),
+                     _fmt(c["median_load_s"], ".2f"), f"{_fmt(c['median_base_rss_mib'], '.0f')} + {_fmt(c['max_growth_mib'], '.0f')} "
                      f"({_fmt(c['param_mib'], '.0f')})",
                      _mib_list([b for b in c["bytes_per_rank"] if b is not None]) if c["bytes_per_rank"][0] else "-",
                      _mib_list(c["mapped_per_rank"]) if c["mapped_per_rank"][0] else "-", ", ".join(c["verified"]) or "-"])
@@ -330,10 +330,10 @@ WORKER_HEADER = ["case", "ready s", "x baseline", "x {ref}", "load s", "RSS MiB:
                  "bytes per rank", "mapped per rank", "verified"]
 
 
-def gen_bench_fill() -> str:
+def gen_bench_fill(name: str = "fill.json") -> str:
     """TP worker and trainer start-up, torchrun vs `reshard launch` (bench/compare_fill.py, bench/results/fill.json)."""
-    data = json.loads((RESULTS / "fill.json").read_text(encoding="utf-8"))
-    lines = [_fill_meta(data, "fill.json")]
+    data = json.loads((RESULTS / name).read_text(encoding="utf-8"))
+    lines = [_fill_meta(data, name)]
     for comp in data["comparisons"]:
         if "logits_agree" in comp:
             agree = "agree" if comp["logits_agree"] else "**disagree**"
@@ -348,7 +348,18 @@ def gen_bench_fill() -> str:
             lines += _table(["case", "time to first step s", "model filled s", "x the same under torchrun"], rows)
     rows = [[t["target"], t["value"], t["goal"], {True: "yes", False: "**no**", None: "-"}[t["met"]]]
             for t in data.get("targets", [])]
-    return "\n".join([*lines, "", "Targets (issue 23, item 3):", "", *_table(["target", "value", "goal", "met"], rows)])
+    issue = "issue 23, item 3" if name == "fill.json" else "issue 35, item 3"
+    return "\n".join([*lines, "", f"Targets ({issue}):", "", *_table(["target", "value", "goal", "met"], rows)])
+
+
+def gen_bench_fill_phases() -> str:
+    """A TP worker's start-up per phase under torchrun (bench/fill_phases.py, bench/results/fill_phases.md)."""
+    return _results_as_written("fill_phases.md")
+
+
+def gen_bench_fill_torchrun() -> str:
+    """TP worker start-up under plain torchrun, `follow="model"` included (bench/results/fill_torchrun.json)."""
+    return gen_bench_fill("fill_torchrun.json")
 
 
 def gen_bench_link() -> str:
@@ -460,6 +471,8 @@ GENERATORS: dict[str, Callable[[], str]] = {
     "bench-checkpoint": gen_bench_checkpoint,
     "bench-dcp-merge": gen_bench_dcp_merge,
     "bench-fill": gen_bench_fill,
+    "bench-fill-torchrun": gen_bench_fill_torchrun,
+    "bench-fill-phases": gen_bench_fill_phases,
     "bench-link": gen_bench_link,
     "bench-vllm": gen_bench_vllm,
     "trainer-support": gen_trainer_support,

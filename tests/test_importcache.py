@@ -18,7 +18,7 @@ import pytest
 
 from reshard import importcache
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 
 PROBE = """
 import json, sys
@@ -190,3 +190,38 @@ def test_install_after_transformers_is_imported_does_nothing() -> None:
     before = list(sys.meta_path)
     importcache.install()
     assert sys.meta_path == before
+
+
+EMPTY_PROBE = """
+import json
+{first}
+import reshard
+model = reshard.empty_tp_model({{"model_type": "llama", "vocab_size": 64, "hidden_size": 16, "intermediate_size": 32,
+                                "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 2}})
+from transformers.utils import import_utils as iu
+print(json.dumps({{"files_read": iu.create_import_structure_from_path.cache_info().misses,
+                  "params": sum(p.numel() for p in model.parameters())}}))
+"""
+
+
+def _empty_probe(cache: Path, first: str = "") -> dict[str, Any]:
+    env = {**os.environ, importcache.DIR_ENV: str(cache), "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-c", EMPTY_PROBE.format(first=first)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(300)
+def test_empty_tp_model_imports_transformers_through_the_cache_unless_it_was_imported(tmp_path: Path) -> None:
+    """A worker that leaves the transformers import to `empty_tp_model` (docs/fill-model.md's) gets the
+    cache: the second such process reads no source file; one that imported transformers itself is left alone."""
+    pytest.importorskip("transformers")
+    own = _empty_probe(tmp_path / "own", first="import transformers")
+    assert own["files_read"] > 400 and not (tmp_path / "own").exists()
+    first = _empty_probe(tmp_path / "imports")
+    second = _empty_probe(tmp_path / "imports")
+    assert first["files_read"] > 400 and second["files_read"] == 0, (first, second)
+    params = 64 * 16 * 2 + 4 * 16 * 16 + 3 * 16 * 32 + 3 * 16  # embed, head, q/k/v/o, gate/up/down, 3 norms
+    assert own["params"] == first["params"] == second["params"] == params

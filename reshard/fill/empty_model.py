@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from reshard import importcache
 from reshard.errors import CheckpointError, require
 from reshard.format.checkpoint import CONFIG_NAME
 from reshard.io.client.body import get_json
@@ -51,8 +52,11 @@ def empty_tp_model(
 ) -> nn.Module:
     """transformers' model for `config` (a source as in `source_config`, a config.json dict or a
     `PretrainedConfig`), tensor-parallel by its own `tp_plan` over `tp` ranks (default: the world),
-    materialized on `device` with uninitialized parameters. `auto_class` defaults to AutoModelForCausalLM."""
+    materialized on `device` with uninitialized parameters. `auto_class` defaults to AutoModelForCausalLM.
+    Where transformers is not imported yet, it is imported with reshard's import cache on
+    (`reshard.enable_import_cache()`), as reshard's other entry points import it."""
     require("transformers", what="empty_tp_model (a transformers model)")
+    importcache.install()  # it imports transformers: without reading its source tree (a no-op once imported)
     import transformers
     from transformers.distributed import DistributedConfig
 

@@ -11,8 +11,10 @@ view of the local tensor one box's values go to (what is written to it is writte
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -34,12 +36,20 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 
 def held_indices(t: torch.Tensor) -> Held:
     """The global indices a DTensor's local tensor holds along each dim, as DTensor itself chunks them
-    (found by distributing small index tensors; no communication). None per dim for a plain tensor."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
+    (found by distributing small index tensors; no communication). None per dim for a plain tensor.
+    Kept per (shape, placements, mesh, this rank's place on it): the layers of a model repeat a few of them."""
+    from torch.distributed.tensor import DTensor
 
     if not isinstance(t, DTensor):
         return (None,) * t.ndim
-    placements, mesh, shape = t.placements, t.device_mesh, tuple(t.shape)
+    mesh = t.device_mesh
+    return _held(tuple(t.shape), tuple(t.placements), mesh, tuple(mesh.get_coordinate() or ()))
+
+
+@functools.lru_cache(maxsize=256)
+def _held(shape: tuple[int, ...], placements: tuple[Any, ...], mesh: Any, _coordinate: tuple[int, ...]) -> Held:
+    from torch.distributed.tensor import distribute_tensor
+
     if any(not hasattr(p, "dim") and not p.is_replicate() for p in placements):
         raise PlanError(f"a parameter of shape {list(shape)} has placements {placements}; fill_model fills "
                         "Shard, _StridedShard and Replicate parameters only")
@@ -77,15 +87,16 @@ def held_blocks(t: torch.Tensor, offsets: Sequence[int] | None = None, sizes: Se
             for c in itertools.product(*per_dim)]
 
 
-def _runs(indices: Sequence[int]) -> list[tuple[int, int, int]]:
-    """(position, first index, length) of each run of consecutive indices."""
+@functools.lru_cache(maxsize=1024)
+def _runs(indices: tuple[int, ...]) -> tuple[tuple[int, int, int], ...]:
+    """(position, first index, length) of each run of consecutive indices (kept: layers repeat them)."""
     out: list[tuple[int, int, int]] = []
     for pos, g in enumerate(indices):
         if out and out[-1][1] + out[-1][2] == g:
             out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
         else:
             out.append((pos, g, 1))
-    return out
+    return tuple(out)
 
 
 def landing(t: torch.Tensor, at: Sequence[int], sizes: Sequence[int], ndim: int) -> torch.Tensor:
