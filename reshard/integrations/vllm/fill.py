@@ -17,10 +17,12 @@ time, each already known to fit (a tensor vLLM does not ask for is read past, ne
 bytes are hashed as they arrive and checked against the sha256 of `reshard.json` beside rank files or
 the service's digest for its answer (`iter_tensors`) before the last tensor is handed to vLLM.
 
-A quantized model in a packed format reshard cuts (GPTQ, AWQ, compressed-tensors int4: `packed_format`)
-is filled the same way: its packed parameters take the shard's packed tensors as stored (places.py), the
-shard must hold that format's tensors and no other, and the attention's KV-cache scales vLLM adds to a
-quantized model may stay as vLLM made them when the checkpoint has none (as its default loader leaves them).
+A quantized model in a packed format reshard cuts (GPTQ, AWQ, compressed-tensors int4, NVFP4 from ModelOpt
+or compressed-tensors, gpt-oss' MXFP4: `packed_format`) is filled the same way (gpt-oss' experts and sinks,
+which its `load_weights` narrows itself, through gpt_oss.py): its packed parameters take the shard's packed
+tensors as stored (places.py), the shard must hold that format's tensors and no other, and the attention's
+KV-cache scales vLLM adds to a quantized model may stay as vLLM made them when the checkpoint has none (as
+its default loader leaves them).
 """
 
 from __future__ import annotations
