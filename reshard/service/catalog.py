@@ -256,7 +256,7 @@ class Catalog:
         key = (src.name, src.key, src.manifest.digest(), engine)
         manifest = self._engines.get(key)
         if manifest is None:
-            manifest = apply_engine(src.manifest, engine, list(src.ckpt.global_tensors()))
+            manifest = apply_engine(src.manifest, engine, list(src.ckpt.global_tensors()), getattr(src.ckpt, "config", None))
             self._engines.put(key, manifest)
         return dataclasses.replace(src, manifest=manifest)
 

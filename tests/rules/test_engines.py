@@ -165,3 +165,19 @@ def test_plugin_refuses_shards_of_another_tp_or_cut_before_touching_the_model(ck
     with pytest.raises(CheckpointError, match="is the shard of rank 1 of tp=2, but this vLLM worker is rank 0 of "
                                               "tensor_parallel_size=1"):
         fill_vllm_model(None, out, rank=0, tp=1)  # type: ignore[arg-type]
+
+
+def test_vllm_cut_splits_gpt_oss_attention_by_heads() -> None:
+    """transformers' gpt-oss plan replicates attention; vLLM splits q and the sinks by heads, k/v by kv heads
+    (each shared by tp / kv ranks past that), o by its input."""
+    config = {"model_type": "gpt_oss", "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 4,
+              "hidden_size": 32, "intermediate_size": 64, "num_local_experts": 2, "vocab_size": 128}
+    a = "model.layers.0.self_attn."
+    names = [a + "q_proj.weight", a + "k_proj.bias", a + "o_proj.weight", a + "o_proj.bias", a + "sinks"]
+    plain = from_config(config, names)
+    assert [plain.match(n) for n in names] == [None] * 5
+    vllm = apply_engine(plain, "vllm", names, config)
+    got = {n.removeprefix(a): (r.kind, r.options) if (r := vllm.match(n)) else None for n in names}
+    assert got == {"q_proj.weight": ("column", {"heads": 8}), "k_proj.bias": ("column", {"heads": 2, "replicate_heads": True}),
+                   "o_proj.weight": ("row", {}), "o_proj.bias": None, "sinks": ("column", {"heads": 8})}
+    assert apply_engine(plain, "vllm", names[:4], config).rules == apply_engine(plain, "vllm", [], config).rules

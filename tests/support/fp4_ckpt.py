@@ -163,7 +163,7 @@ def nvfp4_checkpoint(path: Path, config: dict[str, Any], *, flavour: str = "mode
 
 NVFP4_QC: dict[str, dict[str, Any]] = {
     "modelopt": {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16, "kv_cache_quant_algo": None,
-                 "exclude_modules": ["lm_head"]},
+                 "exclude_modules": ["lm_head"], "ignore": ["lm_head"]},  # (hf_quant_config.json's key, config.json's)
     "ct": {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized", "ignore": ["lm_head"],
            "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
                "num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16, "symmetric": True,

@@ -95,7 +95,8 @@ def loaded_by_reshard(model_dir: Path, engine: dict[str, Any] | None = None, **s
 
 def rank_params(rank: int, world: int, cases: dict[str, tuple[str, str, str]],
                 engine: dict[str, Any]) -> dict[str, tuple[list[str], dict[str, list[int]]]]:
-    """In a `run_distributed` rank, per case (full checkpoint, `model=` directory without weights, rank files):
+    """In a `run_distributed` rank, per case (full checkpoint, `model=` directory without weights, rank files or
+    the service's checkpoint URL):
     the parameters of vLLM's model at tp=`world` whose load by reshard differs from vLLM's default load of the
     full checkpoint (empty: every parameter equal), and every parameter's shape on this rank."""
     from tests.support.vllm_engine import inspect_in_process
@@ -105,7 +106,8 @@ def rank_params(rank: int, world: int, cases: dict[str, tuple[str, str, str]],
     out = {}
     for case, (full, meta, shards) in cases.items():
         want = loaded(Path(full), **engine)
-        got = loaded_by_reshard(Path(meta), engine, shards=shards)
+        source = {"url": shards} if shards.startswith("http") else {"shards": shards}
+        got = loaded_by_reshard(Path(meta), engine, **source)
         assert list(got) == list(want), (case, rank, sorted(set(got) ^ set(want)))
         out[case] = ([n for n in want if not torch.equal(got[n], want[n])], {n: list(t.shape) for n, t in got.items()})
     return out

@@ -34,6 +34,7 @@ from reshard.cli import main
 from reshard.testing.synth import llama_config
 from tests.support.dist import run_distributed
 from tests.support.fp4_ckpt import GPT_OSS, gpt_oss_mxfp4, nvfp4_checkpoint
+from tests.support.fp4_vllm import no_fp4_kernels
 
 pytestmark = pytest.mark.multiproc
 
@@ -51,18 +52,6 @@ def _vllm_parallel(rank: int, world: int) -> Any:
     ps.init_distributed_environment(world, rank, "env://", rank, "gloo")
     ps.initialize_model_parallel(tensor_model_parallel_size=world)
     return ctx
-
-
-def _no_kernels() -> None:
-    """NVFP4's linear kernel selection fails on CPU after the parameters exist; nothing here runs a kernel."""
-    from vllm.model_executor.layers.quantization import modelopt
-    from vllm.model_executor.layers.quantization.compressed_tensors.schemes import (
-        compressed_tensors_w4a4_nvfp4 as ct,
-    )
-
-    modelopt.select_linear_kernel = lambda *a, **k: SimpleNamespace()
-    modelopt.expose_input_quant_key = ct.expose_input_quant_key = lambda *a, **k: None
-    ct.init_nvfp4_linear_kernel = lambda **k: SimpleNamespace()
 
 
 def _nvfp4_layers(qc: dict[str, Any]) -> dict[str, Any]:
@@ -94,7 +83,7 @@ def _nvfp4_job(rank: int, world: int, cases: dict[str, tuple[str, str]]) -> list
     """Per flavour: vLLM's loaders on the full checkpoint vs this rank's file; the differences found."""
     torch.set_num_threads(1)
     _vllm_parallel(rank, world)
-    _no_kernels()
+    no_fp4_kernels()
     bad: list[str] = []
     for flavour, (src, out) in cases.items():
         full = load_file(str(Path(src) / "model.safetensors"))

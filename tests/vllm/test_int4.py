@@ -133,13 +133,18 @@ def test_act_order_is_vllms_refusal_not_a_wrong_load(int4_dirs: Callable[..., Pa
 
 @pytest.mark.servers
 def test_the_packed_formats_the_plugin_fills() -> None:
-    """int4 formats are filled; a packed format whose vLLM parameters the plugin was not checked against (NVFP4
-    here) is one error before anything loads."""
+    """int4 and FP4 formats are filled (FP4: tests/vllm/test_fp4.py); a quantization whose vLLM parameters the
+    plugin does not fill (FP8 here) is one error before anything loads."""
     from reshard.integrations.vllm.fill import packed_format
+    from tests.support.fp4_ckpt import MXFP4_QC, NVFP4_QC
 
     assert [packed_format(q, qc).name for q, qc in (("auto_gptq", gptq_qc(32)), ("auto_awq", awq_qc(32)),
                                                     ("compressed-tensors", ct_qc(32)))] == ["gptq", "awq", "pack-quantized"]
+    assert [packed_format(q, qc).name for q, qc in (("modelopt_fp4", NVFP4_QC["modelopt"]),
+                                                    ("compressed-tensors", NVFP4_QC["ct"]),
+                                                    ("gpt_oss_mxfp4", {**MXFP4_QC, "quant_method": "gpt_oss_mxfp4"}))] \
+        == ["nvfp4", "nvfp4-ct", "mxfp4"]  # (vLLM renames gpt-oss' quant_method in its config)
     assert packed_format(None, None) is None
     with pytest.raises(ReshardError, match=r"loads unquantized checkpoints and the packed formats gptq, awq, "
-                                           r"pack-quantized; this one is 'modelopt' \(NVFP4"):
-        packed_format("modelopt", {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16})
+                                           r"pack-quantized, nvfp4, nvfp4-ct, mxfp4; this one is 'fp8' \(fp8\)"):
+        packed_format("fp8", {"quant_method": "fp8", "weight_block_size": [128, 128]})

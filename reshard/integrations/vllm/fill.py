@@ -17,10 +17,12 @@ time, each already known to fit (a tensor vLLM does not ask for is read past, ne
 bytes are hashed as they arrive and checked against the sha256 of `reshard.json` beside rank files or
 the service's digest for its answer (`iter_tensors`) before the last tensor is handed to vLLM.
 
-A quantized model in a packed format reshard cuts (GPTQ, AWQ, compressed-tensors int4: `packed_format`)
-is filled the same way: its packed parameters take the shard's packed tensors as stored (places.py), the
-shard must hold that format's tensors and no other, and the attention's KV-cache scales vLLM adds to a
-quantized model may stay as vLLM made them when the checkpoint has none (as its default loader leaves them).
+A quantized model in a packed format reshard cuts (GPTQ, AWQ, compressed-tensors int4, NVFP4 from ModelOpt
+or compressed-tensors, gpt-oss' MXFP4: `packed_format`) is filled the same way (gpt-oss' experts and sinks,
+which its `load_weights` narrows itself, through gpt_oss.py): its packed parameters take the shard's packed
+tensors as stored (places.py), the shard must hold that format's tensors and no other, and the attention's
+KV-cache scales vLLM adds to a quantized model may stay as vLLM made them when the checkpoint has none (as
+its default loader leaves them).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from reshard.errors import CheckpointError, ManifestError, PlanError, ReshardErr
 from reshard.fill.into_params import RankHeader, iter_tensors, read_header_from
 from reshard.fill.open import open_rank_stream
 from reshard.format.torch_side import TORCH_DTYPES
+from reshard.integrations.vllm.gpt_oss import take_over
 from reshard.integrations.vllm.places import place_for
 from reshard.rules.engines import VLLM_VOCAB_ALIGN, is_vocab_split
 from reshard.rules.quant.scheme import QuantScheme, scheme_from_config, scheme_of_kind
@@ -83,19 +86,23 @@ class _Ledger:
             raise PlanError(f"{self.current}: {name} (block {region!r}) was filled twice; the shard has two tensors "
                             "for one place in vLLM's model")
         seen.add(region)
-        whole = isinstance(region, tuple) and region[:1] == ("whole",)  # each block fills all of it (places.py)
-        self.written[id(param)] = numel if whole else self.written.get(id(param), 0) + numel
+        whole = isinstance(region, tuple) and region[:1] == ("whole",)  # fills all of it (places.py), padding too
+        self.written[id(param)] = _want(param) if whole else self.written.get(id(param), 0) + numel
         self.used.add(self.current)
 
     def unfilled(self, optional: Collection[int] = ()) -> list[str]:
         """The parameters not filled whole; those in `optional` may also be left as vLLM made them."""
         out = []
         for pid, (name, p) in self.params.items():
-            want = int(getattr(p, "weight_loader_numel", p.numel()))
+            want = _want(p)
             got = self.written.get(pid, 0)
             if got != want and not (got == 0 and pid in optional):
                 out.append(f"{name} ({got} of {want} elements)")
         return out
+
+
+def _want(p: nn.Parameter) -> int:
+    return int(getattr(p, "weight_loader_numel", p.numel()))
 
 
 def _named_params(model: nn.Module) -> dict[int, tuple[str, nn.Parameter]]:
@@ -177,8 +184,10 @@ class PreSharded:
         return True if success else None
 
 
-# the packed formats whose vLLM parameters the places fill (checked against vLLM's loaders: tests/vllm/test_int4.py)
-VLLM_PACKED = ("gptq", "awq", "pack-quantized")
+# the packed formats whose vLLM parameters the places fill (checked against vLLM's loaders: tests/vllm/test_int4.py,
+# tests/vllm/test_fp4.py)
+VLLM_PACKED = ("gptq", "awq", "pack-quantized", "nvfp4", "nvfp4-ct", "mxfp4")
+_VLLM_METHODS = {"gpt_oss_mxfp4": "mxfp4"}  # vLLM's names for a checkpoint's quant_method (it rewrites gpt-oss')
 
 
 def packed_format(quantization: str | None, quantization_config: Any) -> QuantScheme | None:
@@ -189,6 +198,8 @@ def packed_format(quantization: str | None, quantization_config: Any) -> QuantSc
     if quantization is None:
         return None
     qc = quantization_config.to_dict() if hasattr(quantization_config, "to_dict") else quantization_config
+    if isinstance(qc, dict) and qc.get("quant_method") in _VLLM_METHODS:
+        qc = {**qc, "quant_method": _VLLM_METHODS[qc["quant_method"]]}
     why = ""
     try:
         scheme = scheme_from_config({"quantization_config": qc}) if isinstance(qc, dict) else None
@@ -223,7 +234,7 @@ def _check_header(header: RankHeader, rank: int, tp: int, name: str) -> None:
         raise CheckpointError(f"{name}: is the shard of rank {header.rank} of tp={header.tp}, but this vLLM worker is "
                               f"rank {rank} of tensor_parallel_size={tp}; give it rank {rank}'s shard of tp={tp} "
                               f"(reshard write CKPT --tp {tp} --engine vllm -o DIR); nothing was loaded")
-    fp8 = sorted(n for n, e in header.entries.items() if e["dtype"] in _FP8)
+    fp8 = sorted(n for n, e in header.entries.items() if e["dtype"] in _FP8 and not _packed_kind(header, n))
     if fp8:
         raise CheckpointError(f"{name}: {fp8[0]} (and {len(fp8) - 1} more) is FP8; load_format='reshard' loads "
                               "unquantized checkpoints only (FP8 needs vLLM's quantized parameters): use "
@@ -234,6 +245,12 @@ def _check_header(header: RankHeader, rank: int, tp: int, name: str) -> None:
             f"{name}: {misfit[0]} was cut with transformers' vocabulary split, not vLLM's (padded to a multiple of "
             f"{VLLM_VOCAB_ALIGN}, then split evenly); write the rank files with `reshard write CKPT --tp {tp} "
             f"--engine vllm -o DIR` (or pull with engine=vllm); nothing was loaded")
+
+
+def _packed_kind(header: RankHeader, name: str) -> bool:
+    """A tensor of a packed format the plugin fills (NVFP4's F8_E4M3 group scales), not an FP8 weight."""
+    scheme = scheme_of_kind(str(header.tensors.get(name, {}).get("kind")))
+    return scheme is not None and scheme.name in VLLM_PACKED
 
 
 def _vocab_unaligned(desc: dict[str, Any]) -> bool:
@@ -282,7 +299,7 @@ def _load(model: nn.Module, params: dict[int, tuple[str, nn.Parameter]], ledger:
     """`model.load_weights(pairs)` with every parameter's loader a `PreSharded` one, the originals put back."""
     originals = _install(params, ledger)
     try:
-        model.load_weights(pairs)
+        model.load_weights(take_over(model, pairs))
     finally:
         _restore(params, originals)
 

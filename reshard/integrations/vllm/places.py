@@ -8,6 +8,7 @@ the owner's class says how the parameter is laid out on this rank, with vLLM's o
 | QKVParallelLinear                     | shard_id "q" / "k" / "v"  | that block of dim `output_dim`, vLLM's offsets |
 | MergedColumnParallelLinear            | shard_id i (or a tuple)   | block i (its output size / tp)                 |
 | RoutedExperts (FusedMoE)              | shard_id w1/w3/w2, expert | the local expert's gate / up half of w13, w2   |
+| RoutedExperts, gpt-oss MXFP4          | None, None (all experts)  | the whole parameter, less vLLM's padding       |
 | Column/Row/Replicated linears, VocabParallelEmbedding, ParallelLMHead, default_weight_loader | any | the whole parameter |
 
 With a shard_id of None a fused tensor on disk (Phi-3's `qkv_proj`) fills the whole parameter: reshard's
@@ -18,6 +19,9 @@ a block's offset and size along `output_dim` are in packed units where the param
 dim (`packed_dim == output_dim`: AWQ's qweight, every format's zero points), as vLLM's own
 `adjust_shard_indexes_for_packing` divides them; a parameter with no `output_dim` (compressed-tensors'
 `weight_shape`) is whole, and each block of a fused layer fills all of it, as vLLM's loader overwrites it.
+NVFP4's per-tensor scalars (ModelOpt's `weight_scale_2`/`input_scale`, compressed-tensors' global scales:
+vLLM's `PerTensorScaleParameter`) hold one value per fused block: block i's scalar goes to element i, as
+vLLM's `_load_into_shard_id` puts it ("q", "k", "v" are 0, 1, 2).
 """
 
 from __future__ import annotations
@@ -56,6 +60,20 @@ def _block(param: nn.Parameter, dim: int, start: int, size: int) -> torch.Tensor
     return param.data.narrow(dim, start, size)
 
 
+def _per_tensor(param: nn.Parameter, loaded: torch.Tensor, shard_id: Any) -> Dest | None:
+    """Block `shard_id`'s scalar of a fused layer's per-tensor scale (`PerTensorScaleParameter`); None for any
+    other parameter."""
+    from vllm.model_executor.parameter import PerTensorScaleParameter
+
+    if not isinstance(param, PerTensorScaleParameter) or loaded.numel() != 1:
+        return None
+    ids = tuple(shard_id) if isinstance(shard_id, (tuple, list)) else (shard_id,)
+    if len(ids) != 1:
+        raise PlanError(f"one scalar for the fused blocks {ids!r} of a per-tensor scale: vLLM keeps one per block")
+    index = param._shard_id_as_int(ids[0])  # noqa: SLF001  (vLLM's own mapping of a block to its element)
+    return param.data[index].reshape(loaded.shape), ("scale", ids[0])
+
+
 def _whole(param: nn.Parameter, shard_id: Any) -> Dest:
     """A parameter with no output dim (a quantized layer's `weight_shape`), which every block fills whole."""
     return param.data, ("whole", shard_id)
@@ -67,7 +85,7 @@ class QKVPlace(Place):
         if shard_id is None:
             return super().__call__(param, loaded, shard_id, expert_id)
         if dim is None:
-            return _whole(param, shard_id)
+            return _per_tensor(param, loaded, shard_id) or _whole(param, shard_id)
         start = self.owner._get_shard_offset_mapping(shard_id)
         size = self.owner._get_shard_size_mapping(shard_id)
         if start is None or size is None:
@@ -82,7 +100,7 @@ class MergedPlace(Place):
             return super().__call__(param, loaded, shard_id, expert_id)
         ids = tuple(shard_id) if isinstance(shard_id, (tuple, list)) else (shard_id,)
         if dim is None:
-            return _whole(param, ids)
+            return _per_tensor(param, loaded, ids) or _whole(param, ids)
         sizes = [s // self.owner.tp_size for s in self.owner.output_sizes]
         start, size = sum(sizes[: ids[0]]), sum(sizes[ids[0] : ids[-1] + 1])
         return _block(param, dim, start, size), ids
@@ -94,6 +112,9 @@ class ExpertsPlace(Place):
     moe = True
 
     def __call__(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any, expert_id: Any) -> Dest:
+        if shard_id is None and expert_id is None and self.owner.quant_config is not None \
+                and self.owner.quant_config.get_name() == "gpt_oss_mxfp4":
+            return self._mxfp4(param), ("whole", "mxfp4")
         if shard_id not in ("w1", "w2", "w3") or expert_id is None:
             raise PlanError(f"{self.name}: vLLM's fused experts were asked for shard {shard_id!r} of expert {expert_id!r}")
         if getattr(param, "is_transposed", False):
@@ -112,6 +133,17 @@ class ExpertsPlace(Place):
                 half = block.shape[dim] // 2
                 block = block.narrow(dim, 0 if shard_id == "w1" else half, half)
         return _unpadded(block, loaded), region
+
+    def _mxfp4(self, param: nn.Parameter) -> torch.Tensor:
+        """gpt-oss' MXFP4 experts, all at once (gpt_oss.py): the front of the parameter the unpadded sizes fill,
+        as vLLM's loader copies `param[:, :rows(, :bytes)]`; vLLM's padding stays as it made it (zeros)."""
+        cfg = self.owner.moe_config
+        inter, hidden = cfg.intermediate_size_per_partition_unpadded, cfg.hidden_dim_unpadded
+        rows, k = (2 * inter, hidden) if ".w13_" in self.name else (hidden, inter)
+        data = param.data.narrow(1, 0, rows)
+        if data.ndim == 3:  # blocks as K/2 bytes, scales one per 32-block of K
+            data = data.narrow(2, 0, k // (32 if self.name.endswith("_scale") else 2))
+        return data
 
 
 def _unpadded(block: torch.Tensor, loaded: torch.Tensor) -> torch.Tensor:

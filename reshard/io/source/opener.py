@@ -37,7 +37,8 @@ def open_source(
     """Validate every header at `path` (a local path or a URL) and resolve its manifest, adjusted for an
     `engine` (`reshard.rules.engines`: "vllm") when one is named."""
     source, manifest = _open_source(path, rules)
-    return source, apply_engine(manifest, engine, list(source.global_tensors()) if engine else ())
+    return source, apply_engine(manifest, engine, list(source.global_tensors()) if engine else (),
+                                getattr(source, "config", None))
 
 
 def open_tensors(path: str | os.PathLike[str]) -> Opened:

@@ -4,6 +4,7 @@ land in a dequantized parameter."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -56,8 +57,9 @@ def test_service_streams_fp4_shards_byte_identical_to_write(root: Path, tmp_path
 
 
 def mx_rank_shapes(full: dict[str, torch.Tensor], tp: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """What vLLM's GptOssMxfp4MoEMethod.create_weights allocates per rank, in checkpoint names and layout:
-    gate_up's rows and down's K divided by tp, the vocabulary (256: a multiple of 64) too, the rest whole."""
+    """What vLLM's GptOssMxfp4MoEMethod.create_weights and GptOssAttention allocate per rank (tp at most the kv
+    heads), in checkpoint names and layout: gate_up's rows and down's K divided by tp, the vocabulary (256: a
+    multiple of 64), q/k/v's heads and the sinks too, o_proj's input; the rest whole."""
     out = {}
     for name, t in full.items():
         shape = list(t.shape)
@@ -65,8 +67,11 @@ def mx_rank_shapes(full: dict[str, torch.Tensor], tp: int) -> dict[str, tuple[tu
             shape[1] //= tp
         elif ".experts.down_proj_" in name and not name.endswith("_bias"):
             shape[2] //= tp
-        elif name in ("model.embed_tokens.weight", "lm_head.weight"):
+        elif name in ("model.embed_tokens.weight", "lm_head.weight") or name.endswith(".sinks") \
+                or re.search(r"\.self_attn\.[qkv]_proj\.", name):
             shape[0] //= tp
+        elif name.endswith(".self_attn.o_proj.weight"):
+            shape[1] //= tp
         out[name] = (tuple(shape), t.dtype)
     return out
 
