@@ -41,6 +41,9 @@ from reshard.rules import kinds as loaders  # noqa: E402
 from reshard.testing.synth import llama_config, make_checkpoint  # noqa: E402
 from tests.support.fs import KINDS, TP, Mount, MountError, get_mount  # noqa: E402
 from tests.support.live import BIG, SMALL_CKPTS, CuttingProxy, make_ckpt  # noqa: E402
+from tests.support.ssl_once import share_tls_context  # noqa: E402
+
+share_tls_context()  # httpx's clients in this process load the CA bundle once, not once each (~30 ms of CPU)
 
 TIERS = ("pure", "multiproc", "servers", "e2e")
 

@@ -16,6 +16,7 @@ import json
 import os
 import re
 import signal
+import sqlite3
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -54,7 +55,10 @@ def submit(srv: LiveServer, name: str, tp: int) -> httpx.Response:
     return httpx.post(srv.ckpt_url(name) + "/jobs", json={"tp": tp}, timeout=30)
 
 
-def wait_done(srv: LiveServer, job_id: str) -> dict[str, Any]:
+def wait_done(srv: LiveServer, job_id: str, *, out: Path | None = None) -> dict[str, Any]:
+    """The job's record once it is done; with `out`, also once OUT/.jobs/state.sqlite3 says so (its worker
+    answers "done" from memory a moment before it saves the record: a test that fills or freezes the
+    database's file system right after must not meet that save)."""
     last: dict[str, Any] = {}
 
     def done() -> bool:
@@ -62,9 +66,18 @@ def wait_done(srv: LiveServer, job_id: str) -> dict[str, Any]:
         last = httpx.get(f"{srv.url}/v1/jobs/{job_id}", timeout=10).json()
         return last.get("state") in ("done", "failed")
 
-    assert wait_for(done, timeout=60), last
+    assert wait_for(done, timeout=180), last  # a loaded machine stretches a job; a hang is not this
     assert last["state"] == "done", last
+    if out is not None:
+        assert wait_for(lambda: saved_state(out / ".jobs" / DB, job_id) == "done", timeout=60), srv.log()
     return last
+
+
+def saved_state(db: Path, job_id: str) -> str | None:
+    """The state of job `job_id` as the database file records it (read-only, as sqlite3 reads it)."""
+    with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=30)) as conn:
+        row = conn.execute("SELECT state FROM jobs WHERE id = ?", (job_id,)).fetchone()
+    return row[0] if row else None
 
 
 def check_data_path(srv: LiveServer, written: Any, name: str) -> None:
@@ -109,8 +122,7 @@ def test_full_state_store(state_fs: Mount, ckpt_root: Path, written: Any) -> Non
     with live_server(ckpt_root, out=out, log_dir=state_fs.path.parent) as srv:
         first = submit(srv, "llama", 2)
         assert first.status_code == 202, first.text
-        wait_done(srv, first.json()["id"])
-        assert (out / ".jobs" / DB).is_file()
+        wait_done(srv, first.json()["id"], out=out)
 
         state_fs.fill()
         job_routes_refuse(srv, "llama", 507, "StateFullError")
@@ -151,7 +163,7 @@ def test_immutable_state_store(ext4: Mount, ckpt_root: Path, written: Any) -> No
     with live_server(ckpt_root, out=out, log_dir=ext4.path.parent) as srv:
         first = submit(srv, "llama", 2)
         assert first.status_code == 202, first.text
-        wait_done(srv, first.json()["id"])
+        wait_done(srv, first.json()["id"], out=out)
         files = sorted((out / ".jobs").glob(f"{DB}*"))
         before = workers(srv)
         _chattr("+i", files)
