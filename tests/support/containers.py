@@ -64,7 +64,7 @@ def base_image() -> str | None:
 
 def build_image(target: str, tag: str, *, base: str, timeout: float = 900) -> str:
     """`buildah build --isolation chroot` of docker/Dockerfile's `target` on `base`; the build log."""
-    cmd = ["buildah", "build", "--isolation", "chroot", "--format", "docker",
+    cmd = ["buildah", "build", "--isolation", "chroot", "--layers", "--format", "docker",
            "--build-arg", f"BASE={base}", "-f", "docker/Dockerfile", "--target", target, "-t", tag]
     cert = os.environ.get("PIP_CERT")
     if cert and Path(cert).is_file():
