@@ -108,7 +108,7 @@ def test_parallelize_module_outputs_equal_unsharded(torch_results: list[dict[str
 
 
 @pytest.mark.servers
-def test_wrong_tp_or_rank_is_refused_untouched(torch_results: list[dict[str, Any]]) -> None:
+def test_wrong_tp_or_rank_is_refused_untouched_unless_followed(torch_results: list[dict[str, Any]]) -> None:
     for rank in range(TP):
         r = torch_results[rank]
         assert r["other_tp_dir"].startswith("CheckpointError") and "for tp=2" in r["other_tp_dir"] \
@@ -116,6 +116,8 @@ def test_wrong_tp_or_rank_is_refused_untouched(torch_results: list[dict[str, Any
         assert f"rank {rank} of tp=4, but this process is rank {rank} of tp=2" in r["other_tp_file"], r["other_tp_file"]
         assert f"rank {1 - rank} of tp=2, but this process is rank {rank}" in r["other_rank_file"], r["other_rank_file"]
         assert r["untouched"]
+        # the default follows the model: another layout's rank files give the blocks it holds, bit for bit
+        assert r["other_tp_dir_auto"] == {"follow": "model", "equal": True}, r["other_tp_dir_auto"]
 
 
 @pytest.mark.servers
