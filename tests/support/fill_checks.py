@@ -101,6 +101,7 @@ def hf_tp_job(rank: int, world: int, cases: dict[str, dict[str, Any]], server: s
         sharded = {n for n, p in ref.named_parameters() if isinstance(p, DTensor) and p.to_local().numel() < math.prod(p.shape)}
         out[name] = {"max_diff": (want - got).abs().max().item(), "finite": bool(torch.isfinite(got).all()),
                      "served": served, "bytes": report.bytes, "tensors": report.tensors, "fused": report.fused,
+                     "followed": report.follow, "params": len(model.state_dict()),
                      "casts": len(report.casts), "cast_kinds": sorted(set(report.casts.values())),
                      "sharded": sorted(sharded), "ref_dtensors": sum(isinstance(p, DTensor) for p in ref.parameters()),
                      "dtensors": sum(isinstance(p, DTensor) for p in model.parameters())}
