@@ -55,8 +55,9 @@ def fill_by_boxes(model: nn.Module, source: str | os.PathLike[str], *, token: st
             continue
         seen.add(id(t))
         local = local_tensor(t)
-        if TORCH_DTYPES[stored[name].dtype] != local.dtype:
-            casts[name] = (stored[name].dtype, str(local.dtype).removeprefix("torch."))
+        if TORCH_DTYPES[stored[name].dtype] != local.dtype:  # torch's dtype names, as the shard path's report
+            casts[name] = (str(TORCH_DTYPES[stored[name].dtype]).removeprefix("torch."),
+                           str(local.dtype).removeprefix("torch."))
         for offsets, sizes, at in held_blocks(t) if local.numel() else ():
             for box, land, land_sizes in boxes_of(stored[name], offsets, sizes):
                 boxes.append(box)

@@ -1,4 +1,4 @@
-"""`fill_model`: fill any TP model (plain tensors or DTensors) with this rank's shard, as it streams.
+"""`fill_model`: fill any TP model (plain tensors or DTensors) with what this rank holds, as it streams.
 
     model = ...                    # built on meta, parallelized (transformers tp_plan or parallelize_module),
     model.to_empty(device="cpu")   # then materialized without reading any weights
@@ -14,12 +14,18 @@ shape is compared, and for a DTensor the global indices it holds (as DTensor chu
 records. Any disagreement is one `PlanError` naming each parameter, both shapes and both layouts,
 with missing and unexpected names listed; nothing is filled then. The bytes then go straight into the
 parameters (`reshard.fill.into_params.fill_parameters`), cast where the dtypes differ, sha256 checked.
+
+By default (`follow="auto"`) the model decides: a model with DTensor parameters whose shard disagrees
+with it (a shard planned from another transformers release's TP plan, another layout, or a source with
+no rank files: an HF checkpoint) is filled instead with the blocks its own tensors hold, read as boxes
+(`reshard.fill.follow_model`); the disagreement is then no error. `follow="shard"` keeps the refusal.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +33,7 @@ import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from reshard.errors import CheckpointError, PlanError
+from reshard.errors import CheckpointError, PlanError, ReshardError
 from reshard.fill.experts import Held, expert_views, partly_covered, shard_layout, uncovered
 from reshard.fill.follow_model import fill_by_boxes
 from reshard.fill.held_boxes import held_indices, local_tensor
@@ -41,17 +47,29 @@ from reshard.tp.comm import tp_rank, tp_world_size
 _LIST = 6  # names shown per list in an error
 
 
+FOLLOW = ("auto", "shard", "model")
+
+
 def fill_model(model: nn.Module, source: str | Path, *, group: ProcessGroup | None = None,
                token: str | None = None, layout: Layout | None = None, mapped: bool = True,
-               verify: str = "auto", follow: str = "shard") -> FillReport:
-    """Fill every parameter and persistent buffer of `model` with this rank's shard of `source`: a
-    rank-shard directory, the service's checkpoint URL, or one rank file. See the module docstring.
+               verify: str = "auto", follow: str = "auto") -> FillReport:
+    """Fill every parameter and persistent buffer of `model` with what it holds of `source`: a rank-shard
+    directory, the service's checkpoint URL, one rank file, or (following the model) any checkpoint reshard
+    reads. See the module docstring.
 
-    `follow="model"` reads instead the blocks the model's own tensors hold (their DTensor placements,
-    whatever plan made them) as boxes of any checkpoint reshard reads (`reshard.fill.follow_model`); then
-    `group`, `layout`, `mapped` and `verify` do not apply.
+    `follow` says who decides what this rank holds:
+    - "auto" (the default), decided per model: a model with DTensor parameters (transformers' TP plan of
+      whichever release is installed, FSDP2, `parallelize_module`) holds what its placements say. Its
+      rank's shard is used when it holds exactly those blocks (checked before any byte moves: rank files
+      mapped, a prefetched shard taken), else those blocks are read as boxes of `source`
+      (`reshard.fill.follow_model`), so a shard planned for another plan, layout or release, or an HF
+      checkpoint directory, still fills it. A model of plain tensors (reshard's own TP layers keep plain
+      local shards) says nothing of what it holds: it takes its rank's shard;
+    - "shard": the rank's shard alone; a shard that disagrees with the model is refused;
+    - "model": the blocks the model's DTensors hold, as boxes; then `group`, `layout`, `mapped` and
+      `verify` do not apply.
 
-    The layout is `layout`, else the `DistributedConfig` transformers loaded the model with (n-D:
+    The shard's layout is `layout`, else the `DistributedConfig` transformers loaded the model with (n-D:
     pipeline, FSDP, expert parallel), else tensor parallelism over `group` (default: the DTensors'
     1-D mesh, else the world); the rank is this process's global rank (the group's, for TP).
 
@@ -59,26 +77,62 @@ def fill_model(model: nn.Module, source: str | Path, *, group: ProcessGroup | No
     private mapping of it (`reshard.fill.mapped_params`: no copy; False copies every byte), and `verify="auto"`
     trusts its recorded sha256 while the file is unchanged since it was verified or written
     (`reshard.io.verified`; "always" hashes it every time). The service's bytes are always hashed."""
-    if follow not in ("shard", "model"):
-        raise ValueError(f"follow={follow!r}: expected 'shard' (the rank's shard) or 'model' (what its tensors hold)")
+    if follow not in FOLLOW:
+        raise ValueError(f"follow={follow!r}: expected 'auto' (decided per model), 'shard' (the rank's shard) or "
+                         "'model' (what its tensors hold)")
     if follow == "model":
-        return fill_by_boxes(model, source, token=token)
+        return replace(fill_by_boxes(model, source, token=token), follow="model")
+    fallback = follow == "auto" and _has_dtensors(model) and not _is_rank_file(source)
+    shard = _from_shard(model, source, group, token, layout, mapped, verify, fallback=fallback)
+    if isinstance(shard, FillReport):
+        return shard
+    try:  # the shard holds other blocks than the model (`shard`, the reason): read those the model holds
+        return replace(fill_by_boxes(model, source, token=token), follow="model")
+    except ReshardError as e:
+        raise e from shard
+
+
+def _from_shard(model: nn.Module, source: str | Path, group: ProcessGroup | None, token: str | None,
+                layout: Layout | None, mapped: bool, verify: str, *, fallback: bool) -> FillReport | ReshardError:
+    """Fill from the rank's shard. Where the shard does not hold what the model holds (another layout or plan,
+    no rank files) nothing is filled: with `fallback` the reason is returned (nothing left open), else raised."""
     t0 = time.perf_counter()
-    layout, rank = _layout_and_rank(model, group, layout)
-    _config, chunks, sha, name = open_rank_stream(source, rank, layout, token=token, need_config=False)
+    chunks = None
     try:
-        header, leftover = read_header_from(chunks, name)
-        header.check(rank, layout, fix=f"give it rank {rank}'s shard of {layout.describe()}; nothing was filled")
-        targets, fused = match_targets(model, header)
+        try:
+            layout, rank = _layout_and_rank(model, group, layout)
+            _config, chunks, sha, name = open_rank_stream(source, rank, layout, token=token, need_config=False)
+            header, leftover = read_header_from(chunks, name)
+            header.check(rank, layout, fix=f"give it rank {rank}'s shard of {layout.describe()}; nothing was filled")
+            targets, fused = match_targets(model, header)
+        except (CheckpointError, PlanError) as e:
+            if fallback:
+                return e
+            raise
         casts = {n: (_dtype_name(TORCH_DTYPES[header.entries[n]["dtype"]]), _dtype_name(t.dtype))
                  for n, t in targets.items() if TORCH_DTYPES[header.entries[n]["dtype"]] != t.dtype}
         filled = fill_parameters(header, chunks, targets, sha256=sha, leftover=leftover, mapped=mapped, verify=verify)
     finally:
-        close = getattr(chunks, "close", None)
-        if close is not None:
-            close()
+        _close(chunks)
     return FillReport(name, rank, layout.tp, len(targets), header.total, time.perf_counter() - t0, casts, fused,
                       layout, filled.mapped, filled.verified)
+
+
+def _close(chunks: object) -> None:
+    close = getattr(chunks, "close", None)
+    if close is not None:
+        close()
+
+
+def _has_dtensors(model: nn.Module) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(t, DTensor) for t in model.state_dict(keep_vars=True).values())
+
+
+def _is_rank_file(source: str | Path) -> bool:
+    """One rank file named as the source: the caller chose that shard (nothing else to follow)."""
+    return str(source).endswith(".safetensors")
 
 
 def _layout_and_rank(model: nn.Module, group: ProcessGroup | None, layout: Layout | None) -> tuple[Layout, int]:

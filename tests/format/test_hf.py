@@ -13,14 +13,20 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import __version__ as TRANSFORMERS
+from transformers import __version__ as INSTALLED
 
 from reshard.format.checkpoint import Checkpoint
 from reshard.format.rank_file import rank_file_name
+from reshard.rules.tp_plans.entry import table_version
 from reshard.testing.synth import llama_config, make_checkpoint
 from tests.support.core import assert_same, even_chunk, head_chunk, padded_chunk, run_cli, sha256_file
 
 pytestmark = pytest.mark.pure
+
+# the plan source a write names by default: the shipped table, which is that release's plans where it is installed
+# (the pinned lane) and says so, else named as the table of its release (the newest-versions lane)
+SOURCE = ("transformers {v} plan" if INSTALLED == table_version() else "shipped plan table (transformers {v})").format(
+    v=table_version())
 
 SIZES = {"vocab_size": 250, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
          "num_attention_heads": 4, "num_key_value_heads": 2}
@@ -91,11 +97,11 @@ def test_plan_and_write_from_config_alone(
         assert "model.layers.0.self_attn.qkv_proj.weight" in load_all(ckpt)
     rc, out, err = run_cli(["plan", ckpt, "--tp", 2], capsys)
     assert (rc, err) == (0, "")
-    assert f"manifest:   transformers {TRANSFORMERS} plan for model_type '{model_type}'" in out
+    assert f"manifest:   {SOURCE} for model_type '{model_type}'" in out
     assert "tp=2" in out
     rc, out, err = run_cli(["write", ckpt, "--tp", 4, "-o", tmp_path / "out"], capsys)
     assert (rc, err) == (0, "")
-    assert "wrote 4 rank files" in out and f"transformers {TRANSFORMERS} plan for model_type '{model_type}'" in out
+    assert "wrote 4 rank files" in out and f"{SOURCE} for model_type '{model_type}'" in out
     check_written(tmp_path / "out", ckpt, 4)
 
 
@@ -138,7 +144,7 @@ def test_plan_json_names_plan_source_and_kinds(tmp_path: Path, capsys: pytest.Ca
     rc, out, err = run_cli(["plan", ckpt, "--tp", 2, "--json"], capsys)
     assert (rc, err) == (0, "")
     doc = json.loads(out)
-    assert doc["manifest_source"].startswith(f"transformers {TRANSFORMERS} plan for model_type 'llama'")
+    assert doc["manifest_source"].startswith(f"{SOURCE} for model_type 'llama'")
     kinds = {t["name"]: t["kind"] for t in doc["ranks"][0]["tensors"]}
     assert kinds["model.layers.0.self_attn.q_proj.weight"] == "column"
     assert kinds["model.layers.0.self_attn.o_proj.weight"] == "row"

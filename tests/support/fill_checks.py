@@ -101,6 +101,7 @@ def hf_tp_job(rank: int, world: int, cases: dict[str, dict[str, Any]], server: s
         sharded = {n for n, p in ref.named_parameters() if isinstance(p, DTensor) and p.to_local().numel() < math.prod(p.shape)}
         out[name] = {"max_diff": (want - got).abs().max().item(), "finite": bool(torch.isfinite(got).all()),
                      "served": served, "bytes": report.bytes, "tensors": report.tensors, "fused": report.fused,
+                     "followed": report.follow, "params": len(model.state_dict()),
                      "casts": len(report.casts), "cast_kinds": sorted(set(report.casts.values())),
                      "sharded": sorted(sharded), "ref_dtensors": sum(isinstance(p, DTensor) for p in ref.parameters()),
                      "dtensors": sum(isinstance(p, DTensor) for p in model.parameters())}
@@ -165,10 +166,17 @@ def torch_tp_job(rank: int, world: int, case: dict[str, Any], server: str, tp4_d
     # bad input: each must fail before any byte lands, leaving the filled model exactly as it was
     good = local_state(model)
     other = f"{shard_dir}/rank-{1 - rank:05d}-of-00002.safetensors"
-    out["other_tp_dir"] = _error(lambda: reshard.fill_model(model, tp4_dir))
+    out["other_tp_dir"] = _error(lambda: reshard.fill_model(model, tp4_dir, follow="shard"))
     out["other_tp_file"] = _error(lambda: reshard.fill_model(model, f"{tp4_dir}/rank-{rank:05d}-of-00004.safetensors"))
     out["other_rank_file"] = _error(lambda: reshard.fill_model(model, other))
     out["untouched"] = all(same_bits(good[n], t) for n, t in local_state(model).items())
+    # by default the model decides: tp=4's rank files hold other blocks, so the blocks it holds are read as boxes
+    with torch.no_grad():
+        for p in model.parameters():
+            (p.to_local() if hasattr(p, "to_local") else p).fill_(float("nan"))
+    relaid = reshard.fill_model(model, tp4_dir)
+    out["other_tp_dir_auto"] = {"follow": relaid.follow, "equal": all(
+        same_bits(good[n], t) for n, t in local_state(model).items())}
 
     # layouts that disagree: q_proj of layer 0 split on the other dim; a mesh whose ranks are reversed
     # (same local shapes, the other half of every split tensor); a model with one layer fewer
@@ -176,7 +184,7 @@ def torch_tp_job(rank: int, world: int, case: dict[str, Any], server: str, tp4_d
                     ("one_layer", {"layers": 1})):
         bad = _torch_tp_llama(case["path"], **kw)
         before = local_state(bad)
-        out[key] = _error(lambda bad=bad: reshard.fill_model(bad, shard_dir, group=dist.group.WORLD))
+        out[key] = _error(lambda bad=bad: reshard.fill_model(bad, shard_dir, group=dist.group.WORLD, follow="shard"))
         after = local_state(bad)
         out[key + "_untouched"] = all(same_bits(before[n], after[n]) for n in before)
 
@@ -185,7 +193,7 @@ def torch_tp_job(rank: int, world: int, case: dict[str, Any], server: str, tp4_d
     with torch.no_grad():  # memory left by `to_empty` may hold a freed model's equal values: poison it
         for p in fresh.parameters():
             (p.to_local() if hasattr(p, "to_local") else p).fill_(float("nan"))
-    out["truncated"] = _error(lambda: reshard.fill_model(fresh, truncated)) if rank == 0 else ""
+    out["truncated"] = _error(lambda: reshard.fill_model(fresh, truncated, follow="shard")) if rank == 0 else ""
     if rank == 0:
         got = local_state(fresh)
         out["filled_before_cut"] = sorted(n for n in got if same_bits(got[n], good[n]))

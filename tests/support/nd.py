@@ -7,8 +7,8 @@ this rank's local tensors (`DTensor.to_local()`, plain tensors as they are) to
 `{out}-rank{rank}.safetensors` and, with a URL, zeroes every parameter and persistent buffer, refills
 the model with `reshard.fill_model` from the service (one rank at a time, counting the bytes the
 service sent it on its /metrics) and compares its logits and every local tensor with transformers'
-own load. A job with `refuse` first offers the model shards it must refuse (another layout's, one with
-a tensor's FSDP chunk moved) and checks that nothing was copied. It returns, per job, the error
+own load. A job with `refuse` first offers the model shards it must refuse with `follow="shard"` (another
+layout's, one with a tensor's FSDP chunk moved) and checks that nothing was copied. It returns, per job, the error
 transformers raised on this rank (its first line; for a failed weight conversion, the conversion's
 own error instead), or what the fill found. A rank whose peer failed to load skips the fill (the ranks
 agree by an all-reduce first). A `native` job parallelizes with torch's own FSDP2 (`_native_fsdp`).
@@ -104,7 +104,7 @@ def _refusals(model: Any, refuse: dict[str, str], saved: dict[str, Any]) -> dict
     out: dict[str, Any] = {}
     for what, source in refuse.items():
         try:
-            reshard.fill_model(model, source)
+            reshard.fill_model(model, source, follow="shard")  # the default would read what the model holds
             out[what] = "filled"
         except Exception as e:
             out[what] = f"{type(e).__name__}: {e}"

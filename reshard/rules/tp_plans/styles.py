@@ -6,6 +6,7 @@ that holds the same bytes:
 | style                                           | transformers' placement             | reshard kind                     |
 |-------------------------------------------------|-------------------------------------|----------------------------------|
 | colwise, colwise_rep, colwise_gather_output     | Shard(ndim-2) (bias: Shard(0))      | column (fused experts: expert_column) |
+| unit_colwise (transformers 5.25: q/k/v by whole heads, replicated where fewer heads than ranks) | Shard(ndim-2) on a heads x replicas mesh | column (heads: as kv heads) |
 | rowwise, rowwise_rep, rowwise_split_input       | Shard(-1), bias replicated          | row (fused experts: expert_row)  |
 | packed_colwise                                  | _StridedShard(ndim-2, split_factor=2) | packed_column parts=2 / expert_column parts=2 |
 | packed_rowwise                                  | _StridedShard(-1, split_factor=2)   | packed_row parts=2 / expert_row parts=2 |
@@ -29,7 +30,9 @@ from typing import Any
 
 from reshard.errors import ManifestError
 
-COLWISE = frozenset({"colwise", "colwise_rep", "colwise_gather_output"})
+# unit_colwise (transformers 5.25's UnitColwiseParallel): whole heads per rank, each head replicated over tp // heads
+# ranks where there are fewer heads than ranks: what `column` with its heads option holds
+COLWISE = frozenset({"colwise", "colwise_rep", "colwise_gather_output", "unit_colwise"})
 ROWWISE = frozenset({"rowwise", "rowwise_rep", "rowwise_split_input"})
 HOOK_ONLY = frozenset({"replicate", "replicated_with_grad_allreduce", "mla_kv_a_proj", "all_reduce", "moe_tp_experts",
                        "moe_identity_expert", "local_params", "sequence_parallel"})

@@ -17,6 +17,7 @@ import torch
 
 from reshard import cli
 from reshard.io.source.opener import open_source
+from reshard.rules.tp_plans import SOURCE_ENV
 from tests.support.dist import run_distributed
 from tests.support.nd import load_nd
 from tests.support.plan_archs import ARCHS, Arch, Built
@@ -39,15 +40,32 @@ def _build(arch: Arch, root: Path) -> Built:
         return built
     for tp in (2, 4):
         out = root / arch.model_type / f"tp{tp}"
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()) as err:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()) as err, \
+                _plans_of_the_installed_transformers():
             rc = cli.main(["write", str(ckpt), "--tp", str(tp), "-o", str(out), "--no-progress"])
         if rc != 0:
             built.errors[f"reshard write --tp {tp}"] = err.getvalue().strip()
         else:
             built.out[tp] = out
-    with contextlib.suppress(Exception):
+    with contextlib.suppress(Exception), _plans_of_the_installed_transformers():
         built.source = open_source(ckpt)[1].source
     return built
+
+
+@contextlib.contextmanager
+def _plans_of_the_installed_transformers() -> Iterator[None]:
+    """`RESHARD_PLAN_SOURCE=auto` while it runs: the shipped table where transformers is the table's release (the
+    same plans, byte for byte: test_plan_table), else that transformers' live plans (the newest-versions lane,
+    `./run test-newest`), which are what its own TP load, the reference here, applies."""
+    before = os.environ.get(SOURCE_ENV)
+    os.environ[SOURCE_ENV] = "auto"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(SOURCE_ENV, None)
+        else:
+            os.environ[SOURCE_ENV] = before
 
 
 @pytest.fixture(scope="session")

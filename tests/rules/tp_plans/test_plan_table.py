@@ -30,13 +30,19 @@ def _manifest_or_error(config: dict, names: list[str]) -> object:
         return f"error: {e}"
 
 
+# the table is one release's plans (constraints.txt pins it); the newest-versions lane installs another
+TABLE_RELEASE = load_table()["transformers_version"] == transformers.__version__
+OTHER_RELEASE = f"the shipped table is transformers {load_table()['transformers_version']}'s plans, not {transformers.__version__}'s"
+
+
 @pytest.mark.pure
 def test_table_covers_every_architecture_with_a_plan() -> None:
     """The shipped table is what scripts/gen_plan_table.py makes from the installed transformers, byte for byte,
     and names every model_type whose config class declares a base_model_tp_plan."""
+    if not TABLE_RELEASE:
+        pytest.skip(f"{OTHER_RELEASE}: it is checked against its own release in the pinned lane")
     gen = importlib.import_module("scripts.gen_plan_table")
     table = load_table()
-    assert table["transformers_version"] == transformers.__version__
     declared = plan_model_types()
     assert len(declared) > 100
     assert sorted(table["plans"]) == sorted(declared)
@@ -46,19 +52,22 @@ def test_table_covers_every_architecture_with_a_plan() -> None:
 @pytest.mark.pure
 def test_table_gives_the_same_manifest_as_live_plans(monkeypatch: pytest.MonkeyPatch) -> None:
     """For every architecture: the same entry, and the same manifest (no error) from config.json (its class
-    defaults) and names standing for each plan key, with transformers read live and with the table alone."""
-    for model_type in load_table()["plans"]:
-        live, shipped = live_entry(model_type), table_entry(model_type)
-        assert live is not None and shipped is not None, model_type
-        assert live.to_dict() == shipped.to_dict(), model_type
+    defaults) and names standing for each plan key, with transformers read live and with the table alone.
+    Under another release than the table's (the newest-versions lane): every architecture of the installed
+    transformers plans from its live plans (a style reshard cannot honour shows up here)."""
+    for model_type in load_table()["plans"] if TABLE_RELEASE else plan_model_types():
+        live = live_entry(model_type)
+        assert live is not None, model_type
         config = {"model_type": model_type, **live.defaults}
         names = live.stand_in_names()
         monkeypatch.setenv(SOURCE_ENV, "live")
         got_live = _manifest_or_error(config, names)
-        monkeypatch.setenv(SOURCE_ENV, "table")
-        got_table = _manifest_or_error(config, names)
-        assert got_live == got_table, model_type
         assert not isinstance(got_live, str), got_live  # every architecture plans (with its config's defaults)
+        if TABLE_RELEASE:
+            shipped = table_entry(model_type)
+            assert shipped is not None and live.to_dict() == shipped.to_dict(), model_type
+            monkeypatch.setenv(SOURCE_ENV, "table")
+            assert _manifest_or_error(config, names) == got_live, model_type
 
 
 @pytest.mark.multiproc
