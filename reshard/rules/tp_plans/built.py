@@ -24,7 +24,7 @@ from reshard.cachedir import cache_dir
 from reshard.errors import CheckpointError, require
 from reshard.format.checkpoint import parse_json
 from reshard.rules.tp_plans.convert import Conversion, Converted
-from reshard.rules.tp_plans.live import transformers_version
+from reshard.rules.tp_plans.live import installed_version, transformers_version
 
 if TYPE_CHECKING:
     import torch
@@ -90,6 +90,8 @@ def _state_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     """Every state-dict tensor's shape of the model of `config` ({} where it cannot be built), kept in this
     user's cache (`cache_dir("model-shapes")`) under the digest of the config and transformers' version:
     a process that finds it there imports neither torch nor transformers (about 4 s, 12 s on a busy machine)."""
+    if transformers_version() is None or installed_version("torch") is None:
+        return {}  # told by package metadata: a base install never tries to import either
     key = hashlib.sha256(json.dumps([config, transformers_version()], sort_keys=True, default=str).encode()).hexdigest()
     dest = cache_dir("model-shapes") / f"{key}.json"
     with contextlib.suppress(OSError, CheckpointError):

@@ -15,14 +15,19 @@ from reshard.rules.tp_plans.entry import SIZE_KEYS, PlanEntry
 _KNOWN_OPS = {"MergeModulelist": "dim", "Concatenate": "dim"}
 
 
-def transformers_version() -> str | None:
-    """The installed transformers' version, from its package metadata (no import), or None."""
+def installed_version(distribution: str) -> str | None:
+    """An installed distribution's version, from its package metadata (no import), or None."""
     from importlib.metadata import PackageNotFoundError, version
 
     try:
-        return version("transformers")
+        return version(distribution)
     except PackageNotFoundError:
         return None
+
+
+def transformers_version() -> str | None:
+    """The installed transformers' version, from its package metadata (no import), or None."""
+    return installed_version("transformers")
 
 
 def _quiet_import() -> Any:
