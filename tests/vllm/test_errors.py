@@ -88,7 +88,7 @@ def test_a_quantized_model_is_refused(vwritten: Callable[..., Path], meta_dir: C
                                       tmp_path: Path) -> None:
     model_dir = quantized_model_dir(meta_dir("llama"), tmp_path / "w8a8")
     with pytest.raises(ReshardError, match=r"load_format='reshard' loads unquantized checkpoints and the packed "
-                                           r"formats gptq, awq, pack-quantized; this one is "
+                                           r"formats gptq, awq, pack-quantized, nvfp4, nvfp4-ct, mxfp4; this one is "
                                            r"'compressed-tensors' \(.*8-bit int weights.*\): use load_format='auto'"):
         loaded_by_reshard(model_dir, shards=str(vwritten("llama", 1)))
 
