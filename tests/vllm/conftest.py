@@ -23,7 +23,8 @@ from tests.support.vllm_ckpts import MODELS, make_model
 from tests.support.vllm_engine import engine_env, inspect_in_process
 
 # before vLLM is imported: its temporary, cache and RPC paths, thread binding, the engine core in process
-os.environ.update(engine_env(Path(tempfile.mkdtemp(prefix="reshard-vllm-"))))
+_ENGINE_TMP = tempfile.TemporaryDirectory(prefix="reshard-vllm-")  # removed when the session's process exits
+os.environ.update(engine_env(Path(_ENGINE_TMP.name)))
 inspect_in_process()
 TOKEN = "vllm-tests-token"
 

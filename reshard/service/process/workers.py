@@ -20,14 +20,17 @@ import contextlib
 import functools
 import logging
 import os
+import re
 import shutil
 import signal
 import tempfile
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI
 
+from reshard.io.owners import TAG, owner_gone, owner_tag
 from reshard.service.api.app import create_app
 from reshard.service.process.lifecycle import SUPERVISOR_ENV, die_with_supervisor, enable_mapped_reads
 from reshard.service.prometheus import MULTIPROC_ENV
@@ -114,6 +117,21 @@ def uvicorn_options(settings: Settings) -> dict[str, Any]:
             "timeout_worker_healthcheck": settings.worker_healthcheck_timeout}
 
 
+_METRICS_PREFIX = "reshard-metrics-"
+
+
+def _metrics_dir() -> str:
+    """A fresh directory for prometheus_client's per-worker files, named for this supervisor
+    (`reshard-metrics-PID-START-...`); those of supervisors that are gone (SIGKILLed, out of memory: no
+    `finally` ran) are removed first."""
+    tmp = Path(tempfile.gettempdir())
+    for left in tmp.glob(f"{_METRICS_PREFIX}*"):
+        m = re.match(rf"{_METRICS_PREFIX}({TAG})-", left.name)
+        if m is not None and left.is_dir() and not left.is_symlink() and owner_gone(left, m.group(1), ownerless_age=0):
+            shutil.rmtree(left, ignore_errors=True)
+    return tempfile.mkdtemp(prefix=f"{_METRICS_PREFIX}{owner_tag()}-")
+
+
 def serve_workers(settings: Settings, *, workers: int, access_log: bool) -> int:
     """Run `workers` worker processes on one socket until SIGTERM/SIGINT; 3 if the socket cannot be bound."""
     import uvicorn
@@ -126,7 +144,7 @@ def serve_workers(settings: Settings, *, workers: int, access_log: bool) -> int:
         else:
             os.environ[key] = value
     os.environ[SUPERVISOR_ENV] = str(os.getpid())
-    metrics_dir = tempfile.mkdtemp(prefix="reshard-metrics-")
+    metrics_dir = _metrics_dir()
     os.environ[MULTIPROC_ENV] = metrics_dir
     try:
         config = uvicorn.Config("reshard.service.process.workers:worker_app", factory=True, workers=workers,
