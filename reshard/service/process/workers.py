@@ -30,7 +30,7 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from reshard.io.owners import TAG, owner_gone, owner_tag
+from reshard.io.owners import TAG, owner_gone, owner_tag, start_time
 from reshard.service.api.app import create_app
 from reshard.service.process.lifecycle import SUPERVISOR_ENV, die_with_supervisor, enable_mapped_reads
 from reshard.service.prometheus import MULTIPROC_ENV
@@ -79,7 +79,14 @@ def _supervisor_class() -> type:
         def keep_subprocess_alive(self) -> None:
             """uvicorn's (a worker that died, or that did not answer the ping within
             `timeout_worker_healthcheck`, is SIGKILLed and replaced), each replacement logged at warning."""
-            before = [(p, p.process.is_alive()) for p in self.processes]
+            before = []
+            for p in self.processes:
+                # SIGKILLed while a thread of it finished a syscall (an fsync): its main thread is a zombie
+                # and it cannot answer; uvicorn's ping would wait the whole healthcheck timeout for it
+                gone = p.pid is not None and start_time(p.pid) is None
+                if gone:
+                    p.is_alive = lambda timeout=5: False
+                before.append((p, p.process.is_alive() and not gone))
             super().keep_subprocess_alive()
             for (old, running), now in zip(before, self.processes):
                 if now is not old:
