@@ -31,7 +31,7 @@ from reshard.layout.mesh import Layout
 from reshard.plan.box_plan import runs_bound
 from reshard.plan.planner import make_plan
 from tests.support.box_refs import full_tensors, random_boxes, sliced
-from tests.support.live import LiveServer, live_server, make_ckpt, metric
+from tests.support.live import LiveServer, live_server, make_ckpt, metric, streams_settled
 
 pytestmark = pytest.mark.servers
 
@@ -140,7 +140,9 @@ def test_an_answer_that_changed_is_refused(served: tuple[LiveServer, Path], cutt
 
 
 def _quiet(srv: LiveServer) -> tuple[float, float]:
-    """What the server has streamed so far: shard streams opened, body bytes sent."""
+    """What the server has streamed so far, once the streams of earlier tests are counted: shard streams
+    opened, body bytes sent."""
+    assert streams_settled(srv)
     return metric(srv, "reshard_shard_streams_total"), metric(srv, "reshard_shard_bytes_served_total")
 
 

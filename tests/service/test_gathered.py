@@ -21,7 +21,16 @@ from reshard.plan.planner import make_plan
 from reshard.plan.reads import Interleave, Segment
 from reshard.service.transport.gathered import LEAD
 from reshard.service.transport.pump import DIRECT_MIN
-from tests.support.live import BIG, LiveServer, live_server, make_ckpt, metric, raw_request, sendfile_bytes
+from tests.support.live import (
+    BIG,
+    LiveServer,
+    live_server,
+    make_ckpt,
+    metric,
+    raw_request,
+    sendfile_bytes,
+    streams_settled,
+)
 
 pytestmark = [pytest.mark.servers, pytest.mark.timeout(180)]
 TP = 2
@@ -124,9 +133,7 @@ def test_a_pull_cut_short_publishes_nothing(root: Path) -> None:
         httpx.get(srv.url + target, timeout=60)  # the marker
         got = raw_request(srv, target, read=1 << 20)  # hangs up while the copy is being written
         assert got.startswith(b"HTTP/1.1 200")
-        deadline = time.monotonic() + 10
-        while metric(srv, "reshard_active_streams") and time.monotonic() < deadline:
-            time.sleep(0.05)
+        streams_settled(srv)
         assert not [n for n in copies(root) if n.endswith((".bin", ".tmp"))], copies(root)
 
 

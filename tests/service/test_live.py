@@ -29,6 +29,7 @@ from tests.support.live import (
     metric,
     raw_request,
     sendfile_bytes,
+    streams_settled,
 )
 
 pytestmark = [pytest.mark.servers, pytest.mark.timeout(180)]
@@ -194,10 +195,7 @@ def test_client_disconnect_mid_stream(server: LiveServer, ckpt_root: Path, path:
     for _ in range(3):
         got = raw_request(server, target, read=1 << 20)
         assert got.startswith(b"HTTP/1.1 200")
-    deadline = time.monotonic() + 10
-    while metric(server, "reshard_active_streams") and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert metric(server, "reshard_active_streams") == 0
+    assert streams_settled(server)
     assert metric(server, 'reshard_shard_streams_total{outcome="disconnected"}') == streams0 + 3
     assert httpx.get(server.url + "/healthz").status_code == 200
     full = httpx.get(server.url + target, timeout=60)

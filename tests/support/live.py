@@ -314,6 +314,17 @@ def metric(srv: LiveServer, line_prefix: str) -> float:
     return sum(values)
 
 
+def streams_settled(srv: LiveServer, timeout: float = 10.0) -> bool:
+    """Waits until no shard body is being sent (a stream a client cut is counted only once the server sees the
+    hang-up); whether that happened within `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while metric(srv, "reshard_active_streams"):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
 def raw_request(srv: LiveServer, target: str, *, read: int = 0) -> bytes:
     """A hand-written GET of `target`; the answer (stops after `read` bytes when given: a client hanging up)."""
     host, port = srv.url.removeprefix("http://").split(":")
