@@ -53,7 +53,7 @@ class RankHeader:
         except (CheckpointError, PlanError) as e:
             raise HeaderError(str(e)) from None
         self.tp, self.rank = meta.tp, meta.rank
-        self.place = RankPlace(meta.tp, meta.rank, meta.layout, meta.coords)  # as a file of the same rank records it
+        self.place = RankPlace(meta.tp, meta.rank, meta.layout, meta.coords, meta.plan)  # as a file of the same rank records it
         self.tensors: dict[str, dict[str, Any]] = meta.tensors
 
     def check(self, rank: int, layout: Layout, *, fix: str) -> None:

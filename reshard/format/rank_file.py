@@ -8,6 +8,10 @@ size, 5 digits each) whose `__metadata__` describes it (every value a string, as
     rank     this file's global rank, e.g. "1"
     layout   (beyond TP only) the parallel sizes other than 1, JSON: {"tp":2,"pp":2}
     coords   (beyond TP only) this rank's coordinates, JSON: {"pp":1,"dp_replicate":0,...}
+    plan     the plan's identity, the same in every rank file of one write or save (`plan_identity`: a
+             digest of the layout and of every tensor's name, global shape, kind and options, whatever
+             the source), so a set whose files record different plans is refused as it is opened
+             (`reshard.io.source.rank_dir`: merge, write, serve)
     tensors  per tensor, JSON with sorted keys: {"kind", "shape" (global), "select" (per dim, the
              [begin, end) intervals of the global tensor it holds), "options" (when the rule has any)}
     DCP_SHARDING_INFO, DCP_VERSION
@@ -29,9 +33,10 @@ path to the same header bytes for many tensors; a new field is added here once.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from json.encoder import encode_basestring_ascii as _json_str  # type: ignore[attr-defined]
 from typing import Any
@@ -48,12 +53,15 @@ from reshard.format.dcp_sharding import (
 __all__ = ["FORMAT", "HEADER_REVISION", "HeaderEncoder", "RankMeta", "RankPlace", "dcp_fragment", "dcp_offsets", "decode_metadata",
            "describe_tensor", "encode_metadata",
            "OPTIMIZER_DIR", "OPTIMIZER_SLOTS", "header_prefix", "is_rank_file_name", "optimizer_tensor_name",
-           "parse_optimizer_tensor_name", "parse_rank_file_name", "rank_file_name", "tensor_json"]
+           "parse_optimizer_tensor_name", "parse_rank_file_name", "plan_identity", "rank_file_name", "rule_json",
+           "tensor_json"]
 
 FORMAT = "reshard.rank/1"
 # what a plan's identity records besides FORMAT: changes whenever the same plan makes other header bytes (so
-# ETags, recorded sha256 digests and caches of the old bytes no longer match); 2: DCP_SHARDING_INFO added
-HEADER_REVISION = 2
+# ETags, recorded sha256 digests and caches of the old bytes no longer match); 2: DCP_SHARDING_INFO added;
+# 3: the plan's identity (`plan`) added
+HEADER_REVISION = 3
+_PLAN_ID = re.compile(r"[0-9a-f]{32}")
 _NAME = re.compile(r"rank-(\d{5})-of-(\d{5})\.safetensors")
 _COMPACT = (",", ":")
 
@@ -114,12 +122,14 @@ def tensor_json(description: Mapping[str, Any]) -> str:
 @dataclass(frozen=True)
 class RankPlace:
     """Where a rank file sits: `tp`, its `rank`, and beyond TP the `layout` (parallel sizes other than 1,
-    tp always) and the rank's `coords`, as plain values (`reshard.layout` makes them)."""
+    tp always) and the rank's `coords`, as plain values (`reshard.layout` makes them); `plan`: the
+    identity of the plan it belongs to (`plan_identity`; None in files of header revisions before 3)."""
 
     tp: int
     rank: int
     layout: dict[str, Any] | None = None
     coords: dict[str, Any] | None = None
+    plan: str | None = None
 
 
 @dataclass(frozen=True)
@@ -136,6 +146,23 @@ def encode_metadata(place: RankPlace, tensors: Mapping[str, Mapping[str, Any]]) 
     boxes = {n: o for n, d in tensors.items() if (o := dcp_offsets(d)) is not None}
     meta.update(sharding_metadata(boxes))
     return meta
+
+
+def rule_json(kind: str, options: Mapping[str, Any] | None) -> str:
+    """A rule as `plan_identity` takes it: its kind and options, compact JSON with sorted keys."""
+    return json.dumps([kind, dict(options or {})], separators=_COMPACT, sort_keys=True)
+
+
+def plan_identity(layout: Mapping[str, int], tensors: Iterable[tuple[str, Sequence[int], str]]) -> str:
+    """A plan's identity: 32 hex digits of the sha256 of the layout (its sizes other than 1, tp always)
+    and of every tensor's (name, global shape, `rule_json` of its kind and options), in name order. What
+    a rank holds follows from these alone, so every rank file of one plan records the same value whatever
+    source it was read from (an HF checkpoint, DCP, rank files of another layout) and in whatever dtype.
+    Not `Plan.identity` (`reshard.plan.planner.make_planner`), which also names the source's files: an
+    ETag's input, where this is the files' agreement."""
+    h = hashlib.sha256(json.dumps({"format": FORMAT, "layout": dict(layout)}, separators=_COMPACT, sort_keys=True).encode())
+    h.update("".join(f"\n{_json_str(name)}{list(shape)}{rule}" for name, shape, rule in sorted(tensors)).encode())
+    return h.hexdigest()[:32]
 
 
 def dcp_offsets(description: Mapping[str, Any]) -> list[int] | None:
@@ -159,6 +186,8 @@ def _head(place: RankPlace) -> dict[str, str]:
         meta["layout"] = json.dumps(place.layout, separators=_COMPACT)
     if place.coords is not None:
         meta["coords"] = json.dumps(place.coords, separators=_COMPACT)
+    if place.plan is not None:
+        meta["plan"] = place.plan
     return meta
 
 
@@ -169,12 +198,15 @@ def decode_metadata(meta: Mapping[str, str], where: str) -> RankMeta:
                               f"expected {FORMAT!r})")
     tp, rank = _int(meta, "tp", where), _int(meta, "rank", where)
     layout, coords = _object(meta, "layout", where), _object(meta, "coords", where)
+    plan = meta.get("plan")
+    if plan is not None and not (isinstance(plan, str) and _PLAN_ID.fullmatch(plan)):
+        raise CheckpointError(f"{where}: metadata `plan`: not a plan identity (32 hex digits): {str(plan)[:100]!r}")
     try:
         tensors = json.loads(meta["tensors"])
         assert isinstance(tensors, dict) and all({"kind", "shape", "select"} <= set(v) for v in tensors.values())
     except (KeyError, ValueError, AssertionError, TypeError):
         raise CheckpointError(f"{where}: metadata `tensors` is missing or malformed") from None
-    return RankMeta(tp, rank, layout, coords, tensors)
+    return RankMeta(tp, rank, layout, coords, plan, tensors)
 
 
 def _int(meta: Mapping[str, str], key: str, where: str) -> int:

@@ -15,6 +15,7 @@ with the per-tensor planner's output on a large synthetic checkpoint).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from array import array
 from collections.abc import Iterable, Mapping, Sequence
@@ -30,6 +31,8 @@ from reshard.format.rank_file import (
     HeaderEncoder,
     dcp_fragment,
     header_prefix,
+    plan_identity,
+    rule_json,
     tensor_json,
 )
 from reshard.format.selection import full_selection, selection_shape
@@ -52,8 +55,10 @@ class RankPlanner:
     offsets and header entry with list comprehensions."""
 
     def __init__(self, tensors: Mapping[str, GlobalTensor], files: dict[str, tuple[int, int | str]],
-                 rules: Mapping[str, Rule], placement: Placement, *, manifest_source: str = "rules") -> None:
+                 rules: Mapping[str, Rule], placement: Placement, *, manifest_source: str = "rules",
+                 plan_id: str | None = None) -> None:
         self.tensors, self.files, self.rules, self.placement = tensors, files, rules, placement
+        self.plan_id = plan_id  # the identity each header records (`LayoutPlanner.plan_id`); None: none
         self.manifest_source = manifest_source  # for the advice when a tp does not fit (`reshard.plan.advice`)
         keys, meta, loc = _group_keys(tensors, rules)
         gid_of = {key: gid for gid, key in enumerate(dict.fromkeys(keys))}  # numbered in source order
@@ -99,7 +104,8 @@ class RankPlanner:
         # per tensor in name order, its group's description escaped as part of the "tensors" JSON string
         described = [HeaderEncoder.escape(g.describe) for g in layouts]
         placed = [HeaderEncoder.escape(g.placed) for g in layouts]
-        header = self.encoder.header(header_prefix(self.placement.place(rank)),
+        place = dataclasses.replace(self.placement.place(rank), plan=self.plan_id)
+        header = self.encoder.header(header_prefix(place),
                                      list(map(described.__getitem__, self.sorted_gids)), entries,
                                      list(map(placed.__getitem__, self.sorted_gids)))
         return RankPlan(rank, self.placement.layout.world, PlannedTensors(self.groups, layouts, ends), header, self.files)
@@ -226,6 +232,12 @@ class LayoutPlanner:
         self.layout = placement.layout
         self._planners: dict[tuple[int, ...], RankPlanner] = {}
 
+    @functools.cached_property
+    def plan_id(self) -> str:
+        """The plan's identity, which every rank's header records (`reshard.format.rank_file.plan_identity`)."""
+        rules = {id(r): rule_json(r.kind, r.options) for r in self.rules.values()}  # the rules outlive this
+        return plan_identity(self.layout.given(), ((n, gt.shape, rules[id(self.rules[n])]) for n, gt in self.tensors.items()))
+
     def planner(self, rank: int) -> RankPlanner:
         self.layout.check_rank(rank)
         if self.layout.tp_only:
@@ -237,7 +249,7 @@ class LayoutPlanner:
         if hit is None:
             held = self.tensors if c is None else self.placement.held(self.tensors, c)
             hit = self._planners[key] = RankPlanner(held, self.files, self.rules, self.placement,
-                                                    manifest_source=self.manifest_source)
+                                                    manifest_source=self.manifest_source, plan_id=self.plan_id)
         return hit
 
     def layouts(self, rank: int) -> list[GroupLayout]:

@@ -26,7 +26,9 @@ from reshard.format.rank_file import (
     encode_metadata,
     header_prefix,
     parse_rank_file_name,
+    plan_identity,
     rank_file_name,
+    rule_json,
     tensor_json,
 )
 from reshard.layout import Layout
@@ -94,6 +96,7 @@ def test_round_trip_through_reshard_write(tmp_path: Path, args: list[str]) -> No
     make_checkpoint(tmp_path / "tiny", preset_config("tiny"))
     assert main(["write", str(tmp_path / "tiny"), *args, "-o", str(tmp_path / "out")]) == 0
     layout = Layout(tp=2, pp=2) if "--pp" in args else Layout(tp=2)
+    plans, described = set(), {}
     for rank in range(layout.world):
         path = tmp_path / "out" / rank_file_name(rank, layout.world)
         with safe_open(str(path), "np") as f:
@@ -103,15 +106,19 @@ def test_round_trip_through_reshard_write(tmp_path: Path, args: list[str]) -> No
         assert describe_layout(got, str(path)) == layout
         if layout.tp_only:
             assert (got.layout, got.coords) == (None, None)
-            assert sorted(on_disk) == ["DCP_SHARDING_INFO", "DCP_VERSION", "format", "rank", "tensors", "tp"]
+            assert sorted(on_disk) == ["DCP_SHARDING_INFO", "DCP_VERSION", "format", "plan", "rank", "tensors", "tp"]
         else:
             assert got.layout == {"tp": 2, "pp": 2}  # ranks 0-1 are stage 0, 2-3 stage 1; without ep the
             # expert mesh re-reads (fsdp, tp) as (efsdp, ep=1)
             assert got.coords == {"pp": rank // 2, "dp_replicate": 0, "fsdp": 0, "tp": rank % 2, "efsdp": rank % 2, "ep": 0}
         assert on_disk["format"] == FORMAT
-        assert encode_metadata(RankPlace(got.tp, got.rank, got.layout, got.coords), got.tensors) == on_disk
+        assert encode_metadata(RankPlace(got.tp, got.rank, got.layout, got.coords, got.plan), got.tensors) == on_disk
         shapes = {d["shape"][0] for d in got.tensors.values()}
         assert max(shapes) > 1
+        plans.add(got.plan)
+        described.update({n: (d["shape"], rule_json(d["kind"], d.get("options"))) for n, d in got.tensors.items()})
+    # one identity in every file: the layout and every tensor's (name, shape, kind, options), all ranks' together
+    assert plans == {plan_identity(layout.given(), [(n, s, r) for n, (s, r) in described.items()])}
 
 
 def test_decode_refuses_what_is_not_a_rank_file() -> None:
@@ -120,14 +127,15 @@ def test_decode_refuses_what_is_not_a_rank_file() -> None:
     cases = [({"format": "pt"}, "f: not a reshard rank file (metadata format 'pt', expected 'reshard.rank/1')"),
              ({**good, "rank": "one"}, "f: metadata has no rank"),
              ({**good, "tensors": '{"w": {"kind": "column"}}'}, "f: metadata `tensors` is missing or malformed"),
-             ({**good, "layout": "[2]"}, "f: metadata `layout`: not a JSON object: '[2]'")]
+             ({**good, "layout": "[2]"}, "f: metadata `layout`: not a JSON object: '[2]'"),
+             ({**good, "plan": "../x"}, "f: metadata `plan`: not a plan identity (32 hex digits): '../x'")]
     for meta, message in cases:
         with pytest.raises(CheckpointError) as e:
             decode_metadata(meta, "f")
         assert str(e.value) == message
 
 
-@pytest.mark.parametrize("place", [RankPlace(4, 3), RankPlace(2, 5, {"tp": 2, "pp": 4}, {"pp": 2, "tp": 1})],
+@pytest.mark.parametrize("place", [RankPlace(4, 3), RankPlace(2, 5, {"tp": 2, "pp": 4}, {"pp": 2, "tp": 1}, "0" * 32)],
                          ids=["tp", "layout"])
 def test_fast_header_is_json_dumps(place: RankPlace) -> None:
     """`HeaderEncoder` (the planner's path) gives the bytes of `encode_header(encode_metadata(...))`, the

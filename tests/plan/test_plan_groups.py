@@ -5,7 +5,8 @@ Compared (1) with the tensor-by-tensor reference on the test checkpoints of ever
 with bias, padded vocab, packed, replicate, several files, bf16/f16, rank-shard sources), and (2) on a
 20,000-tensor MoE-shaped checkpoint with digests of the plans the previous implementation (commit
 27e0a50, before the grouped planner) produced, stored in data/moe_plan_digests.json (made again from the
-tensor-by-tensor reference planner when the rank-file header gained DCP_SHARDING_INFO).
+tensor-by-tensor reference planner when the rank-file header gained DCP_SHARDING_INFO, and again when
+it gained the plan identity).
 
 The stream's piece index of a grouped plan (`PlannedTensors.piece_index`: starts in an array, pieces
 made when read) is compared with the list `RankStream` builds from the reference plan's tensors, and on

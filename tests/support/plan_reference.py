@@ -27,7 +27,7 @@ def plan_digest(ranks: Any) -> str:
 def reference_plan(ckpt: Any, manifest: Any, tp: int) -> list[Any]:
     """Every rank planned tensor by tensor, as `reshard.plan.planner.plan_rank` did before the grouped planner:
     each tensor's own selection, `segments_for` and description, then `layout` (sort + `encode_header`)."""
-    from reshard.format.rank_file import RankPlace, encode_metadata
+    from reshard.format.rank_file import RankPlace, encode_metadata, plan_identity, rule_json
     from reshard.format.selection import selection_shape
     from reshard.plan.planner import resolve_rules
     from reshard.plan.segments import layout, segments_for
@@ -36,6 +36,7 @@ def reference_plan(ckpt: Any, manifest: Any, tp: int) -> list[Any]:
 
     tensors, files = ckpt.global_tensors(), source_files(ckpt)
     rules, _ = resolve_rules(list(tensors), manifest)
+    plan = plan_identity({"tp": tp}, [(n, gt.shape, rule_json(rules[n].kind, rules[n].options)) for n, gt in tensors.items()])
     ranks = []
     for rank in range(tp):
         items = []
@@ -44,6 +45,6 @@ def reference_plan(ckpt: Any, manifest: Any, tp: int) -> list[Any]:
             sel = tensor_selection(name, src.shape, rule, rank, tp)
             items.append(OutTensor(name, src.dtype, selection_shape(sel), src.shape, rule.kind, dict(rule.options),
                                    sel, segments_for(src, sel)))
-        meta = encode_metadata(RankPlace(tp, rank), {t.name: t.describe() for t in items})
+        meta = encode_metadata(RankPlace(tp, rank, plan=plan), {t.name: t.describe() for t in items})
         ranks.append(layout(items, meta, files, rank=rank, world=tp))
     return ranks

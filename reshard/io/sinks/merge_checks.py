@@ -3,11 +3,14 @@
 The rank files' digests (`hf_checkpoint.check_recorded`) say the files are the ones a write made, where
 they are recorded. Beyond them, three checks any set of pieces must pass:
 
-- **the plan**: the rank files describe themselves (kind, options, global shape per tensor; the layout),
-  so their plan is re-derived (`make_planner` of the recorded kinds at the recorded layout, config.json
-  placing pipeline stages and experts) and every rank's tensor descriptions must be that plan's for its
-  rank: a tensor the layout puts on every rank of its group that some ranks lack, a piece at another
-  place than its rule gives it, is refused, naming the tensor and the ranks;
+- **the plan**: every rank file of one write or save records the same plan identity
+  (`reshard.format.rank_file.plan_identity`; files older than header revision 3 record none), and a
+  set whose files record different ones is refused as it is opened (`reshard.io.source.rank_dir`),
+  naming both; the rank files describe themselves (kind, options, global shape per tensor; the
+  layout), so their plan is re-derived (`make_planner` of the recorded kinds at the recorded layout,
+  config.json placing pipeline stages and experts) and every rank's tensor descriptions must be that
+  plan's for its rank: a tensor the layout puts on every rank of its group that some ranks lack, a
+  piece at another place than its rule gives it, is refused, naming the tensor and the ranks;
 - **the replicas**: pieces of one tensor that several ranks hold (a replicated norm, a row layer's bias,
   kv heads shared at tp > kv heads, every tensor of a `dp_replicate` copy) must be the same bytes: each
   copy is hashed in blocks (never held), and copies that differ are refused, naming the ranks;

@@ -23,7 +23,7 @@ from reshard.format.checkpoint import (
     PiecedSource,
     _read_config,
 )
-from reshard.format.rank_file import decode_metadata, is_rank_file_name, parse_rank_file_name
+from reshard.format.rank_file import RankMeta, decode_metadata, is_rank_file_name, parse_rank_file_name
 from reshard.format.selection import selection_shape
 from reshard.layout.mesh import Layout
 from reshard.layout.placement import describe_layout
@@ -75,14 +75,21 @@ class ShardSet(PiecedSource):
         files: list[FileInfo] = []
         parts: dict[str, list[tuple[int, Piece, dict[str, Any]]]] = {}
         layouts: list[Layout] = []
+        plans: list[str | None] = []
         for rank in range(tp):
             info, local = files_in.header(ranks[rank])
             files.append(info)
-            lay, desc = _describe(info, rank, tp)
+            lay, meta = _describe(info, rank, tp)
+            desc = meta.tensors
             if layouts and lay != layouts[0]:
                 raise CheckpointError(f"{info.path}: metadata says layout {lay.describe()}, rank 0 says "
                                       f"{layouts[0].describe()}; the rank files are of different writes")
+            if plans and meta.plan != plans[0]:
+                raise CheckpointError(f"{info.path}: written by the plan {meta.plan or '(none recorded)'}, rank 0's "
+                                      f"file by the plan {plans[0] or '(none recorded)'}; the rank files are of "
+                                      "different writes")
             layouts.append(lay)
+            plans.append(meta.plan)
             if set(desc) != set(local):
                 raise CheckpointError(f"{info.path}: metadata describes {len(desc)} tensors but the file holds {len(local)}")
             for name, t in local.items():
@@ -110,7 +117,7 @@ class ShardSet(PiecedSource):
         return Manifest(rules, False, f"recorded in the {self.layout.describe()} rank shards of {self.root}")
 
 
-def _describe(info: FileInfo, rank: int, world: int) -> tuple[Layout, dict[str, Any]]:
+def _describe(info: FileInfo, rank: int, world: int) -> tuple[Layout, RankMeta]:
     meta = decode_metadata(info.metadata, str(info.path))
     try:
         layout = describe_layout(meta, str(info.path))
@@ -119,4 +126,4 @@ def _describe(info: FileInfo, rank: int, world: int) -> tuple[Layout, dict[str, 
     if meta.rank != rank or layout.world != world:
         raise CheckpointError(f"{info.path}: metadata says rank {meta.rank} of {layout.describe()} "
                               f"({layout.world} ranks), the name says rank {rank} of {world}")
-    return layout, meta.tensors
+    return layout, meta

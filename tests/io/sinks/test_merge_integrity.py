@@ -3,7 +3,7 @@ write, a training checkpoint's `trainer_state.json`): a rank file of another wri
 or damaged, is one line and nothing merged. The reference: the rank files the writes produced.
 
 With no digests to catch it, it refuses pieces that do not make one checkpoint
-(`reshard.io.sinks.merge_checks`): ranks that all understate a tensor's shape (config.json's model says
+(`reshard.io.sinks.merge_checks`): files that record different plan identities, ranks that all understate a tensor's shape (config.json's model says
 otherwise), a tensor the layout puts on every rank that some ranks lack, replicated copies that differ, a
 piece described at another place than its rule gives its rank; one line naming the tensor and the ranks.
 The rank files are real writes edited on disk with safetensors; the reference for the shapes is
@@ -116,6 +116,24 @@ def _refused(src: Path, out: Path) -> str:
     assert rc == 1 and err.count("\n") == 1, err
     assert not out.exists() or not any(out.iterdir()), sorted(out.iterdir())
     return err
+
+
+def test_a_rank_file_of_another_plan_is_refused_by_its_plan_identity(writes: Path, tmp_path: Path) -> None:
+    """Rank 1 of a write of another model (its vocabulary 64 rows larger) beside rank 0, with no digests
+    recorded: the files record different plan identities, and merge says so naming both, before it
+    reads a tensor."""
+    make_checkpoint(tmp_path / "other-full", {**preset_config("tiny"), "vocab_size": preset_config("tiny")["vocab_size"] + 64})
+    assert _run("write", str(tmp_path / "other-full"), "--tp", "2", "-o", str(tmp_path / "other"), "--no-progress")[0] == 0
+    plans = {}
+    for d in (writes / "tp2", tmp_path / "other"):
+        with safe_open(d / rank_file_name(1, 2), "pt") as f:
+            plans[d.name] = f.metadata()["plan"]
+    assert plans["tp2"] != plans["other"]
+    src = _copy(writes / "tp2", tmp_path / "src")
+    shutil.copy(tmp_path / "other" / rank_file_name(1, 2), src / rank_file_name(1, 2))
+    err = _refused(src, tmp_path / "out")
+    assert f"{src / rank_file_name(1, 2)}: written by the plan {plans['other']}, rank 0's file by the plan " \
+           f"{plans['tp2']}; the rank files are of different writes" in err, err
 
 
 def test_ranks_that_all_understate_a_shape_are_refused_by_the_models_shape(writes: Path, tmp_path: Path) -> None:
