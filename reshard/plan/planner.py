@@ -225,16 +225,21 @@ class LayoutPlanner:
     stage, the experts they hold), made when a rank of it is first asked for."""
 
     def __init__(self, tensors: Mapping[str, GlobalTensor], files: dict[str, tuple[int, int | str]],
-                 rules: Mapping[str, Rule], placement: Placement, *, manifest_source: str = "rules") -> None:
+                 rules: Mapping[str, Rule], placement: Placement, *, manifest_source: str = "rules",
+                 recorded: tuple[str | None] | None = None) -> None:
         # tensors of one rule placed differently (experts) group apart: their rules split once, for every rank
         self.tensors, self.files, self.rules, self.placement = tensors, files, placement.rules_for(rules), placement
         self.manifest_source = manifest_source
         self.layout = placement.layout
+        self._recorded = recorded  # (identity,): what rank files planned again at their own layout record
         self._planners: dict[tuple[int, ...], RankPlanner] = {}
 
     @functools.cached_property
-    def plan_id(self) -> str:
-        """The plan's identity, which every rank's header records (`reshard.format.rank_file.plan_identity`)."""
+    def plan_id(self) -> str | None:
+        """The plan's identity, which every rank's header records (`reshard.format.rank_file.plan_identity`);
+        rank files planned at their own layout keep the one they record (None where they record none)."""
+        if self._recorded is not None:
+            return self._recorded[0]
         rules = {id(r): rule_json(r.kind, r.options) for r in self.rules.values()}  # the rules outlive this
         return plan_identity(self.layout.given(), ((n, gt.shape, rules[id(self.rules[n])]) for n, gt in self.tensors.items()))
 
@@ -296,7 +301,9 @@ def make_planner(ckpt: Source, manifest: Manifest, layout: Layout | int, *,
             roles = source_roles(getattr(ckpt, "config", None), shapes)
         placement = Placement(layout, roles)
         placement.check()
-        planner = LayoutPlanner(tensors, files, rules, placement, manifest_source=manifest.source)
+        # rank files at the layout they were written in: the same files again, their recorded identity included
+        recorded = (ckpt.recorded_plan,) if getattr(ckpt, "layout", None) == layout and hasattr(ckpt, "recorded_plan") else None
+        planner = LayoutPlanner(tensors, files, rules, placement, manifest_source=manifest.source, recorded=recorded)
     identity: dict[str, Any] = {"source": ckpt.identity(), "manifest": manifest.digest(), "tp": layout.tp, "format": FORMAT,
                                 "header": HEADER_REVISION}
     if roles is not None:

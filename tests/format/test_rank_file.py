@@ -11,7 +11,9 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 from reshard.cli import main
 from reshard.errors import CheckpointError
@@ -119,6 +121,55 @@ def test_round_trip_through_reshard_write(tmp_path: Path, args: list[str]) -> No
         described.update({n: (d["shape"], rule_json(d["kind"], d.get("options"))) for n, d in got.tensors.items()})
     # one identity in every file: the layout and every tensor's (name, shape, kind, options), all ranks' together
     assert plans == {plan_identity(layout.given(), [(n, s, r) for n, (s, r) in described.items()])}
+
+
+def _metadata(path: Path) -> dict[str, str]:
+    with safe_open(str(path), "np") as f:
+        return dict(f.metadata())
+
+
+def _rewrite(src: Path, dst: Path, rank: int, *, keep_plan: bool, rename: str = "") -> None:
+    """Rank `rank` of tp=2 in `src` saved again into `dst` by safetensors: without its plan identity (a
+    file of header revision 2) or, with `rename`, every tensor renamed NAME + rename (an optimizer's files:
+    their parameters' identity kept)."""
+    name = rank_file_name(rank, 2)
+    meta, tensors = _metadata(src / name), load_file(src / name)
+    if not keep_plan:
+        del meta["plan"]
+    if rename:
+        tensors = {n + rename: t for n, t in tensors.items()}
+        for key in ("tensors", "DCP_SHARDING_INFO"):  # as the format writes them: compact, sorted keys
+            meta[key] = json.dumps({n + rename: d for n, d in json.loads(meta[key]).items()}, separators=(",", ":"),
+                                   sort_keys=True)
+    dst.mkdir(exist_ok=True)
+    save_file(tensors, str(dst / name), meta)
+
+
+def test_rank_files_planned_again_at_their_own_layout_record_their_own_plan(tmp_path: Path) -> None:
+    """Written again at their own layout, rank files are the same files, the plan identity they record
+    included (none for files older than it, their parameters' for an optimizer's files): so the digests
+    recorded of them still hold for the service's answer. At another layout the plan is a new one, the
+    identity that of a write from the HF checkpoint."""
+    make_checkpoint(tmp_path / "tiny", preset_config("tiny"))
+    assert main(["write", str(tmp_path / "tiny"), "--tp", "2", "-o", str(tmp_path / "tp2")]) == 0
+    assert main(["write", str(tmp_path / "tp2"), "--tp", "2", "-o", str(tmp_path / "again")]) == 0
+    for rank in range(2):
+        assert (tmp_path / "again" / rank_file_name(rank, 2)).read_bytes() == (tmp_path / "tp2" / rank_file_name(rank, 2)).read_bytes()
+    for variant, kw in {"old": {"keep_plan": False}, "moments": {"keep_plan": True, "rename": ".exp_avg"}}.items():
+        for rank in range(2):
+            _rewrite(tmp_path / "tp2", tmp_path / variant, rank, **kw)
+        assert main(["write", str(tmp_path / variant), "--tp", "2", "-o", str(tmp_path / f"{variant}-again")]) == 0
+        for rank in range(2):
+            name = rank_file_name(rank, 2)
+            got, want = _metadata(tmp_path / f"{variant}-again" / name), _metadata(tmp_path / variant / name)
+            assert got == want and ("plan" in got) == kw["keep_plan"], variant
+            assert all(torch.equal(load_file(tmp_path / f"{variant}-again" / name)[n], t)
+                       for n, t in load_file(tmp_path / variant / name).items())
+    assert main(["write", str(tmp_path / "old"), "--tp", "4", "-o", str(tmp_path / "old-tp4")]) == 0
+    assert main(["write", str(tmp_path / "tiny"), "--tp", "4", "-o", str(tmp_path / "tp4")]) == 0
+    for rank in range(4):
+        name = rank_file_name(rank, 4)
+        assert (tmp_path / "old-tp4" / name).read_bytes() == (tmp_path / "tp4" / name).read_bytes()
 
 
 def test_decode_refuses_what_is_not_a_rank_file() -> None:

@@ -43,8 +43,12 @@ class ShardSet(PiecedSource):
     """The rank files of one layout in a directory, seen as one checkpoint of global tensors."""
 
     def __init__(self, root: Path, layout: Layout, files: list[FileInfo], tensors: dict[str, GlobalTensor],
-                 config: dict[str, Any] | None) -> None:
+                 config: dict[str, Any] | None, recorded_plan: str | None = None) -> None:
         self.root, self.layout, self.files, self.tensors, self.config = root, layout, files, tensors, config
+        # the plan identity every file records (None: files of header revisions before 3); a plan of this set
+        # at its own layout records it again, so it gives back these files byte for byte
+        # (`reshard.plan.planner.make_planner`), a training checkpoint's optimizer files included
+        self.recorded_plan = recorded_plan
 
     @property
     def tp(self) -> int:
@@ -107,7 +111,7 @@ class ShardSet(PiecedSource):
                     raise CheckpointError(f"{root}: tensor {name!r} is described differently by rank {rank} and rank {pieces[0][0]}")
             tensors[name] = GlobalTensor(name, pieces[0][1].info.dtype, tuple(first["shape"]),
                                          tuple(p for _, p, _ in pieces), first["kind"], first.get("options") or {})
-        return cls(root, layouts[0], files, tensors, _read_config(files_in))
+        return cls(root, layouts[0], files, tensors, _read_config(files_in), plans[0])
 
 
     def manifest(self) -> Manifest:
